@@ -1,0 +1,25 @@
+"""`python -m actors --config run.toml [--index I]`: one actor process."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.cli import add_config_args, config_from_args, log_config
+from common.logs import setup_logging
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="omrl actor", description="Run one rollout actor (vLLM + env clients).")
+    add_config_args(parser)
+    parser.add_argument("--index", type=int, default=0, help="actor index: seeds and the actor id")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args)
+    setup_logging(f"actor{args.index}", cfg.run.log_level)
+    log_config(cfg)
+    from actors.worker import main as run
+
+    run(cfg, args.index)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,80 @@
+"""Inference engines behind one small interface: `generate` one continuation of a token
+list with per-token log-probs, and `load_weights` from a safetensors file in place."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import os
+from typing import Protocol
+
+from common.config import ActorConfig, ModelConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class Generation:
+    token_ids: list[int]
+    logprobs: list[float]
+    finish_reason: str  # "stop" or "length"
+
+
+class Engine(Protocol):
+    async def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation: ...
+
+    async def load_weights(self, path: str) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
+class VLLMEngine:
+    """vLLM's AsyncLLM, one request per turn, log-prob of every sampled token."""
+
+    def __init__(self, model: ModelConfig, actor: ActorConfig, model_path: str, seed: int):
+        # Keep each engine to one OpenMP thread without pinning: several actors share a machine.
+        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        from vllm import SamplingParams
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        args = AsyncEngineArgs(
+            model=model_path, dtype=model.dtype, enforce_eager=True, seed=seed,
+            max_model_len=actor.max_seq_len, kv_cache_memory_bytes=actor.kv_cache_mb * 1024 * 1024,
+            worker_extension_cls="actors.vllm_ext.WeightReloadExtension",
+            disable_log_stats=True,
+        )
+        self.llm = AsyncLLM.from_engine_args(args)
+        self.tokenizer = self.llm.tokenizer
+        stop_ids = [self.tokenizer.convert_tokens_to_ids(t) for t in self._stop_tokens(actor.stop)]
+        self.params = dict(temperature=actor.temperature, logprobs=0, stop_token_ids=stop_ids,
+                           output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
+        self._SamplingParams = SamplingParams
+        self._ids = itertools.count()
+
+    def _stop_tokens(self, stop: list[str]) -> list[str]:
+        """Stop strings must be single tokens, so the stop token stays in the buffer as sampled."""
+        tokens = []
+        for text in stop:
+            ids = self.tokenizer.encode(text, add_special_tokens=False)
+            if len(ids) != 1:
+                raise ValueError(f"actor.stop entry {text!r} is {len(ids)} tokens for this tokenizer; use single-token stops")
+            tokens.append(self.tokenizer.convert_ids_to_tokens(ids[0]))
+        return tokens
+
+    async def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation:
+        params = self._SamplingParams(max_tokens=max_tokens, **self.params)
+        final = None
+        async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=f"r{next(self._ids)}"):
+            final = out
+        completion = final.outputs[0]
+        logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, completion.token_ids)]
+        return Generation(list(completion.token_ids), logprobs, completion.finish_reason or "length")
+
+    async def load_weights(self, path: str) -> None:
+        await self.llm.collective_rpc("omrl_reload_weights", args=(path,))
+
+    def shutdown(self) -> None:
+        self.llm.shutdown()

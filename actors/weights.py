@@ -1,0 +1,71 @@
+"""The actor's side of weight updates: a gate that lets generation run while no update is
+being applied, so every generate call runs on exactly one weight version, and a receiver
+that watches the broker for new versions and applies them in place."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import tempfile
+from typing import AsyncIterator, Awaitable, Callable
+
+from broker.weights import WeightStore
+
+log = logging.getLogger(__name__)
+
+
+class WeightGate:
+    def __init__(self, version: int = 0):
+        self.version = version
+        self.applied = 0
+        self._in_flight = 0
+        self._updating = False
+        self._cond = asyncio.Condition()
+
+    @contextlib.asynccontextmanager
+    async def generating(self) -> AsyncIterator[int]:
+        """Hold while a generate call runs; yields the weight version it runs on."""
+        async with self._cond:
+            await self._cond.wait_for(lambda: not self._updating)
+            self._in_flight += 1
+        try:
+            yield self.version
+        finally:
+            async with self._cond:
+                self._in_flight -= 1
+                self._cond.notify_all()
+
+    async def apply(self, version: int, load: Callable[[], Awaitable[None]]) -> None:
+        """Stop new generate calls, wait for those in flight, load, then resume."""
+        async with self._cond:
+            self._updating = True
+            await self._cond.wait_for(lambda: self._in_flight == 0)
+        try:
+            await load()
+            self.version = version
+            self.applied += 1
+        finally:
+            async with self._cond:
+                self._updating = False
+                self._cond.notify_all()
+
+
+async def receive_weights(store: WeightStore, gate: WeightGate, load_path: Callable[[str], Awaitable[None]],
+                          poll_s: float, stop: asyncio.Event) -> None:
+    """Poll the version record; fetch, verify and apply each newer version."""
+    with tempfile.TemporaryDirectory(prefix="omrl-weights-") as tmp:
+        while not stop.is_set():
+            record = await store.latest()
+            if record is not None and record["version"] > gate.version:
+                blob = await store.fetch(record)
+                path = os.path.join(tmp, f"v{record['version']}.safetensors")
+                with open(path, "wb") as f:
+                    f.write(blob)
+                await gate.apply(record["version"], lambda: load_path(path))
+                os.unlink(path)
+                log.info("applied weight version %d (step %d, %d bytes)", record["version"], record["step"],
+                         record["nbytes"])
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(stop.wait(), poll_s)

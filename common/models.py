@@ -1,0 +1,64 @@
+"""Model and tokenizer loading, and the tiny model that `omrl init-model` builds.
+
+The real loading path is `from_pretrained` on a local path or a hub id; the tiny model is
+built here and saved with `save_pretrained` so that nothing is ever downloaded.
+"""
+
+from __future__ import annotations
+
+import string
+from pathlib import Path
+
+TINY_EOS = "<|endoftext|>"
+TINY_CHARS = "\n" + string.ascii_lowercase + string.ascii_uppercase + string.digits + " .,:;!?'\"-+*/=()<>[]_#"
+
+
+def build_char_tokenizer():
+    """A character-level tokenizer of the Qwen2 kind: a byte-level BPE whose vocabulary is
+    one symbol per character of TINY_CHARS and which has no merges, so every character is
+    one token. Being a real Qwen2Tokenizer, it loads the same way in transformers and vLLM."""
+    from transformers import Qwen2Tokenizer
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    byte_to_symbol = bytes_to_unicode()
+    vocab = {byte_to_symbol[ord(ch)]: i for i, ch in enumerate(TINY_CHARS)}
+    return Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token=TINY_EOS, pad_token=TINY_EOS)
+
+
+def init_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, heads: int = 2, seed: int = 0) -> Path:
+    """Build a small Qwen2-architecture causal LM with random weights and a character
+    tokenizer, and save both to `out_dir` with `save_pretrained`."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    out = Path(out_dir)
+    tokenizer = build_char_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=1024, tie_word_embeddings=False, rope_theta=10000.0,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(seed)
+    model = Qwen2ForCausalLM(config)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def load_tokenizer(path_or_id: str):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path_or_id)
+
+
+def load_causal_lm(path_or_id: str, dtype: str = "float32"):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=getattr(torch, dtype))
+
+
+def is_model_dir(path: str | Path) -> bool:
+    return (Path(path) / "config.json").is_file()

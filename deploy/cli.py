@@ -1,0 +1,54 @@
+"""The `omrl` command. Arguments are parsed before any heavy import, so --help is instant."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from common.cli import add_config_args
+
+
+def _run_parser(sub) -> None:
+    p = sub.add_parser("run", help="the embedded default: Redis, env server, actors and learner on this machine")
+    add_config_args(p)
+    p.add_argument("--steps", type=int, help="learner steps (learner.steps)")
+    p.add_argument("--run-dir", help="where metrics.jsonl, logs and the model go (run.run_dir)")
+    p.add_argument("--model", help="a Hugging Face causal LM, path or hub id (model.path); default: the tiny model")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="omrl", description="OpenManus-RL: asynchronous actor-learner RL for LLM agents.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _run_parser(sub)
+    p = sub.add_parser("init-model", help="build the tiny Qwen2 model and character tokenizer in DIR")
+    p.add_argument("dir")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    # The role commands hand their arguments to the role's own parser.
+    for name, help_text in (("env-server", "serve a built-in env over HTTP (AgentGym 'id' protocol)"),
+                            ("actor", "run one rollout actor"), ("learner", "run the learner")):
+        sub.add_parser(name, help=help_text, add_help=False)
+    if argv and argv[0] in ("env-server", "actor", "learner"):
+        role, rest = argv[0], argv[1:]
+        if role == "env-server":
+            from envs.__main__ import main as role_main
+        elif role == "actor":
+            from actors.__main__ import main as role_main
+        else:
+            from learner.__main__ import main as role_main
+        role_main(rest)
+        return
+    args = parser.parse_args(argv)
+    if args.command == "init-model":
+        from common.models import init_tiny_model
+
+        print(init_tiny_model(args.dir, hidden=args.hidden, layers=args.layers))
+    elif args.command == "run":
+        from deploy.supervisor import run
+
+        sys.exit(run(args))
+
+
+if __name__ == "__main__":
+    main()

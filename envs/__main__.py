@@ -1,0 +1,43 @@
+"""`python -m envs --env NAME --port P`: an env server speaking the AgentGym "id" protocol."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+
+from common.cli import add_config_args, config_from_args, log_config
+from common.logs import setup_logging
+
+
+async def _serve(cfg) -> None:
+    from envs.server import EnvServer, serve
+
+    server = EnvServer(cfg.env.name, cfg.env.options)
+    runner = await serve(server, cfg.env.host, cfg.env.port)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    print(f"env server {cfg.env.name!r} listening on http://{cfg.env.host}:{cfg.env.port}", flush=True)
+    await stop.wait()
+    await runner.cleanup()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="omrl env-server", description="Serve a built-in env over HTTP.")
+    add_config_args(parser)
+    parser.add_argument("--env", help="env name (env.name)")
+    parser.add_argument("--host", help="bind address (env.host)")
+    parser.add_argument("--port", type=int, help="port (env.port)")
+    args = parser.parse_args(argv)
+    extra = [f"env.{k}={v!r}" if isinstance(v, str) else f"env.{k}={v}"
+             for k, v in (("name", args.env), ("host", args.host), ("port", args.port)) if v is not None]
+    cfg = config_from_args(args, extra)
+    setup_logging("env", cfg.run.log_level)
+    log_config(cfg)
+    asyncio.run(_serve(cfg))
+
+
+if __name__ == "__main__":
+    main()

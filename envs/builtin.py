@@ -1,0 +1,54 @@
+"""Built-in envs."""
+
+from __future__ import annotations
+
+import random
+
+from envs.base import Env, StepResult, register_env
+
+
+@register_env("letters")
+class LettersEnv(Env):
+    """Multi-turn 'say the letter': each turn shows ``Say x:`` and the answer earns the
+    fraction of its characters equal to x (its line ending aside), divided by the number
+    of turns, so an episode's rewards sum to a value in [0, 1]. Task i fixes the letters.
+
+    A tiny model learns it from random initialisation in minutes: it must first learn to
+    answer with letters of the alphabet, then to read the prompt.
+    """
+
+    def __init__(self, turns: int = 2, alphabet: str = "abcd"):
+        if turns < 1:
+            raise ValueError("letters: turns must be at least 1")
+        if not alphabet:
+            raise ValueError("letters: alphabet must not be empty")
+        self.turns, self.alphabet = turns, alphabet
+        self.targets: list[str] = []
+        self.turn = 0
+
+    def _prompt(self) -> str:
+        return f"Say {self.targets[self.turn]}:"
+
+    def reset(self, task_idx: int) -> str:
+        rng = random.Random(task_idx)
+        self.targets = [rng.choice(self.alphabet) for _ in range(self.turns)]
+        self.turn = 0
+        return self._prompt()
+
+    @staticmethod
+    def score(answer: str, target: str) -> float:
+        answer = answer.strip()
+        return sum(ch == target for ch in answer) / len(answer) if answer else 0.0
+
+    def step(self, action: str) -> StepResult:
+        if not self.targets:
+            raise RuntimeError("step before reset")
+        if self.turn >= self.turns:
+            raise RuntimeError("step after the episode ended")
+        reward = self.score(action, self.targets[self.turn]) / self.turns
+        self.turn += 1
+        done = self.turn >= self.turns
+        return StepResult("\n" + ("" if done else self._prompt()), reward, done)
+
+    def observation(self) -> str:
+        return self._prompt() if self.targets and self.turn < self.turns else ""

@@ -1,0 +1,25 @@
+"""`python -m learner --config run.toml`: the learner process."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.cli import add_config_args, config_from_args, log_config
+from common.logs import setup_logging
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="omrl learner", description="Run the learner (reads groups, trains, publishes weights).")
+    add_config_args(parser)
+    parser.add_argument("--steps", type=int, help="shorthand for --set learner.steps=N")
+    args = parser.parse_args(argv)
+    cfg = config_from_args(args, [f"learner.steps={args.steps}"] if args.steps else [])
+    setup_logging("learner", cfg.run.log_level)
+    log_config(cfg)
+    from learner.worker import main as run
+
+    run(cfg)
+
+
+if __name__ == "__main__":
+    main()

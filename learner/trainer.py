@@ -1,0 +1,61 @@
+"""One optimizer step on a batch: proximal log-probs, the off-policy loss, AdamW."""
+
+from __future__ import annotations
+
+from typing import Iterable, Iterator
+
+import torch
+from safetensors.torch import save as save_safetensors
+
+from common.config import LearnerConfig
+from common.timing import Timer
+from learner.algorithms import LossConfig, policy_loss, token_logprobs
+from learner.batch import Batch
+
+
+class Trainer:
+    def __init__(self, model: torch.nn.Module, cfg: LearnerConfig):
+        self.model, self.cfg = model, cfg
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.loss_cfg = LossConfig(cfg.clip_eps_low, cfg.clip_eps_high, cfg.behav_weight_cap, cfg.behav_reject,
+                                   cfg.dual_clip)
+        self.timer = Timer()
+
+    def _logprobs(self, batch: Batch) -> torch.Tensor:
+        logits = self.model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits  # (N, T, V)
+        return token_logprobs(logits, batch.tokens)  # (N, T)
+
+    def train_step(self, batch: Batch) -> dict[str, float]:
+        metrics: dict[str, float] = {}
+        if batch.num_trained_tokens == 0:
+            metrics.update({"learner/skipped": 1.0})
+            return metrics
+        self.model.train()
+        with self.timer("proximal"), torch.no_grad():
+            prox = self._logprobs(batch)
+        with self.timer("forward"):
+            cur = self._logprobs(batch)
+            loss, loss_metrics = policy_loss(cur, prox, batch.behav_logprobs, batch.advantages, batch.loss_mask,
+                                             self.loss_cfg)
+        with self.timer("backward"):
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        with self.timer("optimizer"):
+            self.optimizer.step()
+        metrics["learner/loss/policy"] = float(loss.detach())
+        metrics["learner/grad_norm"] = float(grad_norm)
+        metrics.update({f"learner/{k}": v for k, v in loss_metrics.items()})
+        metrics.update(self.timer.pop("learner/time/"))
+        return metrics
+
+    def weights_blob(self) -> bytes:
+        """The weights as safetensors bytes, named as in the Hugging Face checkpoint."""
+        state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}
+        return save_safetensors(state)
+
+
+def learn(trainer: Trainer, batches: Iterable[Batch]) -> Iterator[dict[str, float]]:
+    """Train on each batch in turn; a test passes a list, the worker a broker-fed iterator."""
+    for batch in batches:
+        yield trainer.train_step(batch)
