@@ -33,8 +33,11 @@ class VLLMEngine:
     """vLLM's AsyncLLM, one request per turn, log-prob of every sampled token."""
 
     def __init__(self, model: ModelConfig, actor: ActorConfig, model_path: str, seed: int):
-        # Keep each engine to one OpenMP thread without pinning: several actors share a machine.
-        os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+        # On CPU, several actors share the machine: one OpenMP thread each, unpinned, that
+        # sleeps rather than spins when idle (2.6x the request rate measured on 2 cores).
+        for var, value in (("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("OMP_NUM_THREADS", "1"),
+                           ("OMP_WAIT_POLICY", "PASSIVE")):
+            os.environ.setdefault(var, value)
         from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.sampling_params import RequestOutputKind

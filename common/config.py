@@ -25,8 +25,9 @@ class RedisConfig(Section):
     """Redis URL (redis://host:port/db); unset means `omrl run` starts an embedded server."""
     run: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")
     """Run name: every key of the run lives under the hash tag {run}."""
-    max_stream_len: int = Field(256, ge=1)
-    """Back-pressure: producers wait while the rollouts stream holds this many groups."""
+    max_stream_len: int = Field(16, ge=1)
+    """Back-pressure: producers wait while the rollouts stream holds this many groups (it
+    also bounds how far actors run ahead of the learner, hence staleness)."""
 
 
 class ModelConfig(Section):
@@ -85,7 +86,7 @@ class ActorConfig(Section):
 
 
 class LearnerConfig(Section):
-    steps: int = Field(60, ge=1)
+    steps: int = Field(120, ge=1)
     """Optimizer steps to run, then exit."""
     groups_per_step: int = Field(8, ge=1)
     """B: groups in one optimizer step."""

@@ -9,12 +9,12 @@ from envs.base import Env, StepResult, register_env
 
 @register_env("letters")
 class LettersEnv(Env):
-    """Multi-turn 'say the letter': each turn shows ``Say x:`` and the answer earns the
+    """Multi-turn 'say the letter': each turn shows ``Say x`` and the answer earns the
     fraction of its characters equal to x (its line ending aside), divided by the number
     of turns, so an episode's rewards sum to a value in [0, 1]. Task i fixes the letters.
 
-    A tiny model learns it from random initialisation in minutes: it must first learn to
-    answer with letters of the alphabet, then to read the prompt.
+    A tiny model learns it from random initialisation in minutes: the prompt ends with the
+    letter, so the model must learn to continue a letter with itself, and to stop.
     """
 
     def __init__(self, turns: int = 2, alphabet: str = "abcd"):
@@ -27,7 +27,7 @@ class LettersEnv(Env):
         self.turn = 0
 
     def _prompt(self) -> str:
-        return f"Say {self.targets[self.turn]}:"
+        return f"Say {self.targets[self.turn]}"
 
     def reset(self, task_idx: int) -> str:
         rng = random.Random(task_idx)
