@@ -19,7 +19,10 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path) -> Path:
               ("staleness/mean", "mean staleness (versions)")]
     fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5))
     for ax, (key, title) in zip(axes, panels):
-        ax.plot(steps, [r.get(key, float("nan")) for r in rows])
+        values = [r.get(key, float("nan")) for r in rows]
+        ax.plot(steps, values, alpha=0.4, label="per step")
+        ax.plot(steps, _rolling_mean(values, 10), label="mean of 10")
+        ax.legend(loc="best", fontsize=8)
         ax.set_title(title)
         ax.set_xlabel("learner step")
         ax.grid(alpha=0.3)
@@ -27,3 +30,13 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path) -> Path:
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
     return Path(out_path)
+
+
+def _rolling_mean(values: list[float], window: int) -> list[float]:
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v
+        if i >= window:
+            total -= values[i - window]
+        out.append(total / min(i + 1, window))
+    return out
