@@ -11,6 +11,7 @@ import os
 import tempfile
 from typing import AsyncIterator, Awaitable, Callable
 
+from broker.retry import RetryPolicy
 from broker.weights import WeightStore
 
 log = logging.getLogger(__name__)
@@ -53,13 +54,13 @@ class WeightGate:
 
 
 async def receive_weights(store: WeightStore, gate: WeightGate, load_path: Callable[[str], Awaitable[None]],
-                          poll_s: float, stop: asyncio.Event) -> None:
+                          poll_s: float, stop: asyncio.Event, retry: RetryPolicy = RetryPolicy()) -> None:
     """Poll the version record; fetch, verify and apply each newer version."""
     with tempfile.TemporaryDirectory(prefix="omrl-weights-") as tmp:
         while not stop.is_set():
-            record = await store.latest()
+            record = await retry.run("read the weight version", store.latest)
             if record is not None and record["version"] > gate.version:
-                blob = await store.fetch(record)
+                blob = await retry.run("fetch weights", lambda: store.fetch(record))
                 path = os.path.join(tmp, f"v{record['version']}.safetensors")
                 with open(path, "wb") as f:
                     f.write(blob)

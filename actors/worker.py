@@ -17,8 +17,12 @@ import aiohttp
 from actors.engine import VLLMEngine
 from actors.episode import run_episode
 from actors.weights import WeightGate, receive_weights
+from broker.admission import Admission
+from broker.connection import connect
 from broker.keys import Keys
-from broker.streams import RolloutProducer, connect
+from broker.membership import Membership
+from broker.retry import REDIS_TRANSIENT, RetryPolicy
+from broker.streams import RolloutProducer
 from broker.weights import WeightStore
 from common.config import Config
 from common.messages import RolloutGroup, encode_group
@@ -38,6 +42,7 @@ class Actor:
         self.rng = random.Random(cfg.actor.seed + index)
         self.stop = asyncio.Event()
         self.groups = self.episodes = self.tokens = 0
+        self._tokens_per_s = 0.0
 
     async def run(self) -> None:
         cfg = self.cfg
@@ -46,9 +51,12 @@ class Actor:
             loop.add_signal_handler(sig, self.stop.set)
         self.engine = VLLMEngine(cfg.model, cfg.actor, cfg.model.path, seed=cfg.actor.seed + self.index)
         self.tokenizer = self.engine.tokenizer
-        keys = Keys(cfg.redis.run)
-        client = connect(cfg.redis.url)
-        self.producer = RolloutProducer(client, keys, cfg.redis.max_stream_len)
+        keys = Keys(cfg.redis.run, cfg.redis.shards)
+        client = connect(cfg.redis)
+        self.retry = RetryPolicy(attempts=cfg.redis.retry_attempts)
+        self.producer = RolloutProducer(client, keys, cfg.redis.max_stream_len, cfg.redis.producer_buffer, self.retry)
+        self.admission = Admission(client, keys, cfg.learner.groups_per_step, cfg.learner.eta)
+        self.members = Membership(client, keys)
         store = WeightStore(client, keys)
         self.gate = WeightGate(version=0)
         try:
@@ -56,10 +64,12 @@ class Actor:
                 self.env = EnvClient(cfg.env.base_url, session)
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(receive_weights(store, self.gate, self.engine.load_weights,
-                                                   cfg.actor.weight_poll_s, self.stop))
+                                                   cfg.actor.weight_poll_s, self.stop, self.retry))
                     tg.create_task(self._progress())
+                    tg.create_task(self._heartbeat())
+                    flusher = asyncio.create_task(self.producer.run())
                     loops = [tg.create_task(self._group_loop()) for _ in range(cfg.actor.concurrent_groups)]
-                    tg.create_task(self._drain(loops))
+                    tg.create_task(self._drain(loops, flusher))
         finally:
             await client.aclose()
             self.engine.shutdown()
@@ -68,6 +78,8 @@ class Actor:
     async def _group_loop(self) -> None:
         cfg = self.cfg
         while not self.stop.is_set():
+            if not await self.retry.run("admission ticket", lambda: self.admission.acquire(self.stop)):
+                return
             task_idx = self.rng.randrange(cfg.env.num_tasks)
             samples = await asyncio.gather(*[
                 run_episode(self.engine, self.env, self.tokenizer, self.gate, cfg.actor, task_idx, cfg.env.name)
@@ -80,13 +92,37 @@ class Actor:
             self.episodes += len(samples)
             self.tokens += sum(int(s.loss_mask.sum()) for s in samples)
 
-    async def _drain(self, loops: list[asyncio.Task]) -> None:
-        """On stop, let running groups finish for drain_s, then cancel what is left."""
-        await self.stop.wait()
+    async def _drain(self, loops: list[asyncio.Task], flusher: asyncio.Task) -> None:
+        """On stop, let running groups finish and the local buffer reach Redis for drain_s,
+        then cancel what is left. A flusher that fails (Redis gone past the retry policy)
+        fails the actor."""
+        stop = asyncio.create_task(self.stop.wait())
+        await asyncio.wait([stop, flusher], return_when=asyncio.FIRST_COMPLETED)
+        if flusher.done():
+            stop.cancel()
+            flusher.result()
         log.info("stopping: finishing the groups in flight (at most %.0fs)", self.cfg.actor.drain_s)
+        deadline = asyncio.get_running_loop().time() + self.cfg.actor.drain_s
         _done, pending = await asyncio.wait(loops, timeout=self.cfg.actor.drain_s)
         for task in pending:
             task.cancel()
+        try:
+            await asyncio.wait_for(self.producer.flush(), max(0.1, deadline - asyncio.get_running_loop().time()))
+        except asyncio.TimeoutError:
+            log.warning("stopping with %d groups not yet written to Redis", self.producer.buffered)
+        flusher.cancel()
+        await self.members.leave(self.actor_id)
+
+    async def _heartbeat(self) -> None:
+        while not self.stop.is_set():
+            try:
+                await self.members.heartbeat(self.actor_id, role="actor", host=socket.gethostname(), pid=os.getpid(),
+                                             version=self.gate.version, groups=self.groups,
+                                             tokens_per_s=round(self._tokens_per_s, 1))
+            except REDIS_TRANSIENT as exc:  # a missed heartbeat is not worth stopping for
+                log.warning("heartbeat failed: %s", exc)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), self.cfg.actor.heartbeat_s)
 
     async def _progress(self, every_s: float = 10.0) -> None:
         last = (time.monotonic(), 0, 0)
@@ -95,9 +131,11 @@ class Actor:
                 await asyncio.wait_for(self.stop.wait(), every_s)
             now = time.monotonic()
             dt = now - last[0]
+            self._tokens_per_s = (self.tokens - last[2]) / dt
             log.info("groups=%d groups/s=%.2f gen_tokens/s=%.0f weight_version=%d versions_applied=%d "
-                     "waited_on_stream=%.1fs", self.groups, (self.groups - last[1]) / dt, (self.tokens - last[2]) / dt,
-                     self.gate.version, self.gate.applied, self.producer.waited_s)
+                     "waited_on_stream=%.1fs waited_on_tickets=%.1fs buffered=%d", self.groups,
+                     (self.groups - last[1]) / dt, self._tokens_per_s, self.gate.version, self.gate.applied,
+                     self.producer.waited_s, self.admission.waited_s, self.producer.buffered)
             last = (now, self.groups, self.tokens)
 
 

@@ -69,7 +69,7 @@ class EmbeddedRedis:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
                     sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith(b"+PONG"):
+                    if sock.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # up (and maybe password-protected)
                         return self
             except OSError:
                 time.sleep(0.05)

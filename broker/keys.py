@@ -1,5 +1,7 @@
-"""Every Redis key name of a run, in one place. All keys of a run share the hash tag
-``{run}`` so a run works unchanged on Redis Cluster."""
+"""Every Redis key name of a run, in one place. Run-level keys share the hash tag ``{run}``
+so a run works unchanged on Redis Cluster (multi-key commands and Lua need one slot).
+With N shards, rollout stream i is ``omrl:{run:qi}:rollouts``: its own tag, so the streams
+spread over the cluster's nodes."""
 
 from __future__ import annotations
 
@@ -9,22 +11,26 @@ import dataclasses
 @dataclasses.dataclass(frozen=True)
 class Keys:
     run: str
+    shards: int = 1
 
     @property
     def prefix(self) -> str:
         return f"omrl:{{{self.run}}}"
 
+    def rollouts(self, shard: int = 0) -> str:
+        if not 0 <= shard < self.shards:
+            raise ValueError(f"shard {shard} out of range 0..{self.shards - 1}")
+        return f"{self.prefix}:rollouts" if self.shards == 1 else f"omrl:{{{self.run}:q{shard}}}:rollouts"
+
     @property
-    def rollouts(self) -> str:
-        return f"{self.prefix}:rollouts"
+    def streams(self) -> list[str]:
+        return [self.rollouts(i) for i in range(self.shards)]
 
     @property
     def dead_letters(self) -> str:
         return f"{self.prefix}:dead"
 
-    @property
-    def consumer_group(self) -> str:
-        return "learner"
+    consumer_group: str = "learner"
 
     @property
     def weights_latest(self) -> str:
@@ -38,3 +44,23 @@ class Keys:
 
     def weights_blob(self, version: int) -> str:
         return f"{self.prefix}:weights:blob:{version}"
+
+    @property
+    def learner_version(self) -> str:
+        """The learner's published version, read by the admission script."""
+        return f"{self.prefix}:learner:version"
+
+    @property
+    def learner_state(self) -> str:
+        """Hash: the learner's step and version, for `omrl status`."""
+        return f"{self.prefix}:learner:state"
+
+    @property
+    def tickets_started(self) -> str:
+        """Counter of groups started (admission tickets granted)."""
+        return f"{self.prefix}:tickets:started"
+
+    @property
+    def members(self) -> str:
+        """Hash: member id -> last heartbeat record."""
+        return f"{self.prefix}:members"

@@ -23,13 +23,15 @@ class WeightStore:
     async def publish(self, version: int, step: int, blob: bytes) -> dict[str, Any]:
         record = {"version": version, "step": step, "transport": "blob", "nbytes": len(blob),
                   "sha256": hashlib.sha256(blob).hexdigest(), "time": time.time()}
+        # One slot ({run}), so one transaction on a cluster too; PUBLISH is not allowed in a
+        # cluster pipeline, and the announcement only hurries pollers along, so it goes after.
         async with self.client.pipeline(transaction=True) as pipe:
             pipe.set(self.keys.weights_blob(version), blob)
             pipe.hset(self.keys.weights_latest, mapping=record)
             if version - self.keep >= 0:
                 pipe.delete(self.keys.weights_blob(version - self.keep))
-            pipe.publish(self.keys.weights_channel, str(version))
             await pipe.execute()
+        await self.client.publish(self.keys.weights_channel, str(version))
         return record
 
     async def latest(self) -> dict[str, Any] | None:

@@ -22,12 +22,39 @@ class Section(BaseModel):
 
 class RedisConfig(Section):
     url: str | None = None
-    """Redis URL (redis://host:port/db); unset means `omrl run` starts an embedded server."""
+    """Redis URL: redis://[user:password@]host:port/db, or rediss:// for TLS; unset means
+    `omrl run` starts an embedded server."""
     run: str = Field("default", pattern=r"^[A-Za-z0-9_.-]+$")
     """Run name: every key of the run lives under the hash tag {run}."""
+    cluster: bool = False
+    """Connect to a Redis Cluster (redis.url names any one node)."""
+    shards: int = Field(1, ge=1, le=1024)
+    """Rollout streams; each has its own hash tag, so on a cluster they spread over nodes."""
+    tls_ca_file: str | None = None
+    """CA bundle to verify the server's certificate (rediss:// URLs)."""
+    tls_cert_file: str | None = None
+    """Client certificate, for servers that require one (rediss:// URLs)."""
+    tls_key_file: str | None = None
+    """Key of the client certificate."""
     max_stream_len: int = Field(16, ge=1)
-    """Back-pressure: producers wait while the rollouts stream holds this many groups (it
-    also bounds how far actors run ahead of the learner, hence staleness)."""
+    """Back-pressure: producers wait while a rollouts stream holds this many groups
+    (delivered-but-unacknowledged ones included)."""
+    producer_buffer: int = Field(64, ge=1)
+    """Groups an actor buffers locally while Redis is unreachable before it stops producing."""
+    retry_attempts: int = Field(60, ge=1)
+    """Attempts of a Redis command that failed on a connection fault before the process fails."""
+    claim_idle_s: float = Field(60.0, gt=0)
+    """The janitor reclaims entries pending longer than this from consumers that died."""
+    max_deliveries: int = Field(5, ge=1)
+    """An entry delivered more often than this goes to the dead letters (reason max_deliveries)."""
+    janitor_every_s: float = Field(5.0, gt=0)
+    """How often the learner's janitor runs."""
+    consumer_gone_s: float = Field(600.0, gt=0)
+    """Consumers idle this long with nothing pending are removed from the group."""
+    dead_after_s: float = Field(15.0, gt=0)
+    """A member whose last heartbeat is older than this is reported dead."""
+    embedded_aof: bool = False
+    """`omrl run`'s embedded server: append-only file with fsync always (no loss on restart)."""
 
 
 class ModelConfig(Section):
@@ -81,6 +108,8 @@ class ActorConfig(Section):
     """Base seed; actor i uses seed + i."""
     weight_poll_s: float = Field(0.2, gt=0)
     """How often an actor checks for a new weight version."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """How often an actor sends a heartbeat."""
     drain_s: float = Field(5.0, ge=0)
     """On stop, how long groups in flight may run before they are cancelled."""
 
@@ -112,8 +141,16 @@ class LearnerConfig(Section):
     """Tokens with exp(lp - lb) above this are masked out."""
     dual_clip: float | None = Field(None, gt=1)
     """Dual-clip constant for negative advantages (None: off)."""
+    eta: int = Field(4, ge=0)
+    """Staleness bound: actors start a group only while started < (V + eta + 1) * B."""
     max_staleness: int = Field(1000, ge=0)
     """Hard cap: groups staler than this (versions) go to the dead letters as `stale`."""
+    checkpoint_every: int = Field(1, ge=1)
+    """Checkpoint every k steps; groups are acknowledged only once a checkpoint holds them."""
+    keep_checkpoints: int = Field(2, ge=1)
+    """Checkpoints kept in RUN_DIR/checkpoints."""
+    consumer: str = Field("learner-0", pattern=r"^[A-Za-z0-9_.-]+$")
+    """Consumer name in the group; keep it across restarts so the learner re-reads its own pending entries."""
     threads: int = Field(1, ge=1)
     """torch intra-op threads."""
     seed: int = 0
@@ -137,6 +174,12 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
+        pending = (self.learner.checkpoint_every + 1) * self.learner.groups_per_step
+        if self.redis.max_stream_len * self.redis.shards < pending:
+            raise ValueError(
+                f"redis.max_stream_len x redis.shards must hold (learner.checkpoint_every + 1) x "
+                f"learner.groups_per_step = {pending} groups (acknowledged only after a checkpoint): "
+                f"raise redis.max_stream_len or lower learner.checkpoint_every")
         if self.actor.max_tokens >= self.actor.max_seq_len:
             raise ValueError("actor.max_tokens must be below actor.max_seq_len: raise max_seq_len or lower max_tokens")
         return self

@@ -34,7 +34,15 @@ ALLOWED_DTYPES = {dt.str for dt in TOKEN_ARRAYS.values()} | {np.dtype("<f4").str
 
 
 class CodecError(ValueError):
-    """A message that cannot be decoded or fails validation; the text says what and where."""
+    """A message that cannot be decoded or fails validation; the text says what and where.
+
+    `reason` is short and stable, for dead-letter records: undecodable, oversize, kind,
+    schema_version or invalid.
+    """
+
+    def __init__(self, message: str, reason: str = "invalid"):
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclasses.dataclass
@@ -121,7 +129,7 @@ def encode_group(group: RolloutGroup, max_bytes: int = DEFAULT_MAX_BYTES) -> byt
     }
     data = msgpack.packb(payload, use_bin_type=True)
     if len(data) > max_bytes:
-        raise CodecError(f"encoded group is {len(data)} bytes, over the limit of {max_bytes} bytes")
+        raise CodecError(f"encoded group is {len(data)} bytes, over the limit of {max_bytes} bytes", "oversize")
     return data
 
 
@@ -189,20 +197,20 @@ def _decode_sample(obj: Any, where: str) -> Sample:
 def decode_group(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -> RolloutGroup:
     """Decode and validate one rollout group; raise CodecError saying what is wrong."""
     if len(data) > max_bytes:
-        raise CodecError(f"payload is {len(data)} bytes, over the limit of {max_bytes} bytes")
+        raise CodecError(f"payload is {len(data)} bytes, over the limit of {max_bytes} bytes", "oversize")
     try:
         obj = msgpack.unpackb(data, raw=False, strict_map_key=True,
                               max_bin_len=max_bytes, max_str_len=max_bytes)
     except (msgpack.ExtraData, msgpack.FormatError, msgpack.StackError, ValueError) as exc:
-        raise CodecError(f"not a msgpack message: {type(exc).__name__}: {exc}") from None
+        raise CodecError(f"not a msgpack message: {type(exc).__name__}: {exc}", "undecodable") from None
     if not isinstance(obj, dict):
-        raise CodecError(f"message is a {type(obj).__name__}, expected a map")
+        raise CodecError(f"message is a {type(obj).__name__}, expected a map", "undecodable")
     kind = obj.get("kind")
     if kind != KIND_ROLLOUT_GROUP:
-        raise CodecError(f"kind is {kind!r}, expected {KIND_ROLLOUT_GROUP!r}")
+        raise CodecError(f"kind is {kind!r}, expected {KIND_ROLLOUT_GROUP!r}", "kind")
     version = obj.get("schema_version")
     if version != SCHEMA_VERSION:
-        raise CodecError(f"schema_version is {version!r}, this code reads {SCHEMA_VERSION}")
+        raise CodecError(f"schema_version is {version!r}, this code reads {SCHEMA_VERSION}", "schema_version")
     samples = _field(obj, "samples", list, "group")
     if not samples:
         raise CodecError("group: no samples")

@@ -21,6 +21,11 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="omrl", description="OpenManus-RL: asynchronous actor-learner RL for LLM agents.")
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
+    p = sub.add_parser("status", help="a run's streams, pending entries, dead letters, actors and learner")
+    add_config_args(p)
+    p.add_argument("--redis-url", help="the run's Redis (redis.url)")
+    p.add_argument("--run", help="the run's name (redis.run)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p = sub.add_parser("init-model", help="build the tiny Qwen2 model and character tokenizer in DIR")
     p.add_argument("dir")
     p.add_argument("--hidden", type=int, default=128)
@@ -44,10 +49,40 @@ def main(argv: list[str] | None = None) -> None:
         from common.models import init_tiny_model
 
         print(init_tiny_model(args.dir, hidden=args.hidden, layers=args.layers))
+    elif args.command == "status":
+        sys.exit(_status(args))
     elif args.command == "run":
         from deploy.supervisor import run
 
         sys.exit(run(args))
+
+
+def _status(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+
+    from broker.connection import connect
+    from broker.keys import Keys
+    from broker.status import format_status, run_status
+    from common.cli import config_from_args
+
+    extra = [f"redis.url={json.dumps(args.redis_url)}"] if args.redis_url else []
+    extra += [f"redis.run={json.dumps(args.run)}"] if args.run else []
+    cfg = config_from_args(args, extra)
+    if not cfg.redis.url:
+        print("error: no Redis to ask: pass --redis-url or --config RUN_DIR/config.toml", file=sys.stderr)
+        return 2
+
+    async def gather():
+        client = connect(cfg.redis)
+        try:
+            return await run_status(client, Keys(cfg.redis.run, cfg.redis.shards), cfg.redis.dead_after_s)
+        finally:
+            await client.aclose()
+
+    status = asyncio.run(gather())
+    print(json.dumps(status, indent=2) if args.json else format_status(status))
+    return 0
 
 
 if __name__ == "__main__":

@@ -105,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     setup_logging("omrl", cfg.run.log_level)
     run_dir = Path(cfg.run.run_dir)
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    (run_dir / "redis").mkdir(exist_ok=True)
     cfg = prepare(cfg)
 
     redis = None
@@ -122,7 +122,9 @@ def run(args: argparse.Namespace) -> int:
         if not cfg.redis.url:
             from broker.embedded import EmbeddedRedis
 
-            redis = EmbeddedRedis().start()
+            aof = ["--appendfsync", "always"] if cfg.redis.embedded_aof else []
+            redis = EmbeddedRedis(appendonly=cfg.redis.embedded_aof, data_dir=str((run_dir / "redis").resolve()),
+                                  extra_args=aof).start()
             cfg.redis.url = redis.url
             log.info("embedded redis-server (%s) on %s", redis.binary, redis.url)
         config_path = run_dir / "config.toml"

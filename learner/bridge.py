@@ -1,38 +1,73 @@
-"""The single bridge thread between the asyncio broker and the synchronous learner: it
-reads rollout groups into a bounded queue, sends undecodable ones to the dead letters, and
-runs the learner's broker calls (ack, publish) on its own event loop."""
+"""The single bridge thread between the asyncio broker and the synchronous learner.
+
+On its own event loop it runs one reader per rollout stream (shard), feeding a bounded
+queue; a janitor that reclaims entries idle too long from dead consumers (XAUTOCLAIM),
+removes consumers that are gone and reports dead actors; and the learner's broker calls
+(ack, publish, dead letters), which the learner thread submits with `call`. Undecodable
+or invalid messages, and entries delivered more than `max_deliveries` times, go to the
+dead letters with their reason; the readers keep running. Connection faults are retried
+by a declared policy (a Redis restart is survived); other errors stop the bridge and are
+re-raised in the learner thread.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import queue
 import threading
-from typing import Any, Coroutine
+from typing import Awaitable, Callable, TypeVar
 
+from redis.exceptions import ResponseError
+
+from broker.connection import connect
 from broker.keys import Keys
-from broker.streams import RolloutConsumer, connect
+from broker.membership import Membership
+from broker.retry import RetryPolicy
+from broker.streams import RolloutConsumer
 from broker.weights import WeightStore
+from common.config import RedisConfig
 from common.messages import CodecError, RolloutGroup, decode_group
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+@dataclasses.dataclass
+class Delivery:
+    shard: int
+    entry_id: str
+    data: bytes
+    group: RolloutGroup
+
+    @property
+    def key(self) -> tuple[int, str]:
+        return (self.shard, self.entry_id)
 
 
 class BrokerBridge:
-    def __init__(self, url: str, keys: Keys, consumer: str, keep_versions: int, queue_size: int, read_count: int):
-        self.queue: queue.Queue[tuple[str, bytes, RolloutGroup]] = queue.Queue(maxsize=queue_size)
+    def __init__(self, cfg: RedisConfig, consumer: str, keep_versions: int, queue_size: int, read_count: int):
+        self.cfg = cfg
+        self.keys = Keys(cfg.run, cfg.shards)
+        self.queue: queue.Queue[Delivery] = queue.Queue(maxsize=queue_size)
         self.read_count = read_count
-        self.client = connect(url, blocking=True)
-        self.consumer = RolloutConsumer(self.client, keys, consumer)
-        self.store = WeightStore(self.client, keys, keep=keep_versions)
-        self.dead_letters = 0
+        self.retry = RetryPolicy(attempts=cfg.retry_attempts)
+        self.client = connect(cfg, blocking=True)
+        self.consumers = [RolloutConsumer(self.client, self.keys, consumer, shard) for shard in range(cfg.shards)]
+        self.store = WeightStore(self.client, self.keys, keep=keep_versions)
+        self.members = Membership(self.client, self.keys)
+        self.dead_letters: dict[str, int] = {}
+        self.in_flight: set[tuple[int, str]] = set()
+        self.reported_dead: set[str] = set()
         self._loop = asyncio.new_event_loop()
         self._stop = threading.Event()
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="broker-bridge", daemon=True)
 
-    def start(self, timeout: float = 30.0) -> "BrokerBridge":
+    # -- learner-thread side -------------------------------------------------------------
+    def start(self, timeout: float = 60.0) -> "BrokerBridge":
         self._thread.start()
         if not self._ready.wait(timeout):
             raise TimeoutError("broker bridge did not connect to Redis in time")
@@ -44,49 +79,130 @@ class BrokerBridge:
         if self._error is not None:
             raise RuntimeError("broker bridge failed") from self._error
 
-    def call(self, coro: Coroutine[Any, Any, Any], timeout: float = 60.0) -> Any:
-        """Run a broker coroutine on the bridge's loop and wait for its result."""
+    def call(self, factory: Callable[[], Awaitable[T]], what: str = "broker call", timeout: float = 600.0) -> T:
+        """Run `factory()` on the bridge's loop, retried on connection faults, and wait for it."""
         self.check()
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
+        return asyncio.run_coroutine_threadsafe(self.retry.run(what, factory), self._loop).result(timeout)
 
-    def get(self, timeout: float) -> tuple[str, bytes, RolloutGroup] | None:
+    def get(self, timeout: float) -> Delivery | None:
         self.check()
         try:
             return self.queue.get(timeout=timeout)
         except queue.Empty:
             return None
 
+    def ack(self, deliveries: list[Delivery]) -> None:
+        self.call(lambda: self._ack(deliveries), "XACK")
+
+    def dead_letter(self, delivery: Delivery, reason: str, detail: str) -> None:
+        self.call(lambda: self._dead_letter(delivery.shard, delivery.entry_id, delivery.data, reason, detail),
+                  "dead letter")
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
+
+    # -- bridge-thread side --------------------------------------------------------------
+    async def _ack(self, deliveries: list[Delivery]) -> None:
+        by_shard: dict[int, list[str]] = {}
+        for d in deliveries:
+            by_shard.setdefault(d.shard, []).append(d.entry_id)
+        for shard, ids in by_shard.items():
+            await self.consumers[shard].ack(ids)
+        self.in_flight.difference_update(d.key for d in deliveries)
+
+    async def _dead_letter(self, shard: int, entry_id: str, data: bytes | None, reason: str, detail: str) -> None:
+        await self.retry.run("dead letter", lambda: self.consumers[shard].dead_letter(entry_id, data, reason, detail))
+        self.dead_letters[reason] = self.dead_letters.get(reason, 0) + 1
+        self.in_flight.discard((shard, entry_id))
 
     def _run(self) -> None:
         asyncio.set_event_loop(self._loop)
         try:
             self._loop.run_until_complete(self._main())
         except Exception as exc:  # noqa: BLE001 - surfaced to the learner thread by check()
+            log.exception("broker bridge failed")
             self._error = exc
             self._ready.set()
         finally:
             self._loop.run_until_complete(self.client.aclose())
 
     async def _main(self) -> None:
-        await self.consumer.ensure_group()
+        for consumer in self.consumers:
+            await self.retry.run("XGROUP CREATE", consumer.ensure_group)
         self._ready.set()
+        tasks = [asyncio.create_task(self._reader(c)) for c in self.consumers]
+        tasks.append(asyncio.create_task(self._janitor()))
+        try:
+            while not self._stop.is_set():
+                for t in tasks:
+                    if t.done():
+                        t.result()  # re-raise a reader's or the janitor's error
+                await asyncio.sleep(0.1)
+        finally:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _reader(self, consumer: RolloutConsumer) -> None:
         while not self._stop.is_set():
-            for entry_id, data in await self.consumer.read(self.read_count, block_ms=500):
-                if data is None:  # payload deleted after a previous delivery
-                    await self.consumer.ack([entry_id])
+            recovered = consumer.reading_pending
+            try:
+                entries = await self.retry.run("XREADGROUP", lambda: consumer.read(self.read_count, block_ms=500))
+            except ResponseError as exc:
+                if "NOGROUP" not in str(exc):
+                    raise
+                log.warning("consumer group of %s is gone (Redis lost its data?): creating it again", consumer.stream)
+                await consumer.ensure_group()
+                continue
+            await self._handle(consumer, entries, recovered)
+
+    async def _handle(self, consumer: RolloutConsumer, entries: list[tuple[str, bytes | None]], recovered: bool) -> None:
+        for entry_id, data in entries:
+            key = (consumer.shard, entry_id)
+            if key in self.in_flight:  # already being handled, queued or in a step: a re-read
+                continue
+            # Claim it before the first await: the janitor and a reader may hold the same entry.
+            self.in_flight.add(key)
+            if data is None:  # payload deleted after an earlier delivery
+                await self.retry.run("XACK", lambda: consumer.ack([entry_id]))
+                self.in_flight.discard(key)
+                continue
+            if recovered:
+                deliveries = await self.retry.run("XPENDING", lambda: consumer.delivery_count(entry_id))
+                if deliveries > self.cfg.max_deliveries:
+                    await self._dead_letter(consumer.shard, entry_id, data, "max_deliveries",
+                                            f"delivered {deliveries} times")
                     continue
+            try:
+                group = decode_group(data)
+            except CodecError as exc:
+                await self._dead_letter(consumer.shard, entry_id, data, exc.reason, str(exc))
+                continue
+            while not self._stop.is_set():
                 try:
-                    group = decode_group(data)
-                except CodecError as exc:
-                    self.dead_letters += 1
-                    await self.consumer.dead_letter(entry_id, data, "invalid", str(exc))
-                    continue
-                while not self._stop.is_set():
-                    try:
-                        self.queue.put_nowait((entry_id, data, group))
-                        break
-                    except queue.Full:
-                        await asyncio.sleep(0.01)
+                    self.queue.put_nowait(Delivery(consumer.shard, entry_id, data, group))
+                    break
+                except queue.Full:
+                    await asyncio.sleep(0.01)
+
+    async def _janitor(self) -> None:
+        cfg = self.cfg
+        while not self._stop.is_set():
+            await asyncio.sleep(cfg.janitor_every_s)
+            for consumer in self.consumers:
+                claimed = await self.retry.run("XAUTOCLAIM", lambda: consumer.claim_idle(int(cfg.claim_idle_s * 1000)))
+                if claimed:
+                    log.info("reclaimed %d entries idle over %.0fs on %s", len(claimed), cfg.claim_idle_s, consumer.stream)
+                await self._handle(consumer, claimed, recovered=True)
+                gone = await self.retry.run("XINFO CONSUMERS",
+                                            lambda: consumer.remove_gone_consumers(int(cfg.consumer_gone_s * 1000)))
+                for name in gone:
+                    log.info("removed consumer %s of %s (gone)", name, consumer.stream)
+            for member in await self.retry.run("read members", lambda: self.members.members(cfg.dead_after_s)):
+                if not member["alive"] and member["id"] not in self.reported_dead:
+                    self.reported_dead.add(member["id"])
+                    log.warning("actor %s is dead: no heartbeat for %.0fs (host %s, version %s)", member["id"],
+                                cfg.dead_after_s, member.get("host"), member.get("version"))
+                elif member["alive"]:
+                    self.reported_dead.discard(member["id"])

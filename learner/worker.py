@@ -1,25 +1,31 @@
 """The learner process shell: signals, broker reads (through the bridge thread), weight
-publication, acknowledgements and metrics around the pure training step."""
+publication, checkpoints, acknowledgements and metrics around the pure training step.
+
+Exactly-once training on at-least-once delivery: every group id trained on is recorded in
+the checkpoint, groups are acknowledged only after the checkpoint that holds them, and a
+group whose id was already trained on is acknowledged and skipped.
+"""
 
 from __future__ import annotations
 
 import logging
 import os
 import signal
-import socket
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from broker.keys import Keys
+from broker.weights import WeightStore
 from common.config import Config
 from common.messages import RolloutGroup
 from common.metrics import JsonlSink
 from common.models import load_causal_lm
 from learner.batch import collate
-from learner.bridge import BrokerBridge
+from learner.bridge import BrokerBridge, Delivery
+from learner.checkpoint import LearnerState, load_latest, save_checkpoint
 from learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -33,35 +39,57 @@ class Learner:
             raise SystemExit("error: redis.url is unset: pass --set redis.url=redis://HOST:PORT/0")
         self.cfg = cfg
         self.stopping = False
-        self.version = 0
+        self.state = LearnerState()
         self.seen: set[str] = set()
-        self.counts = {"duplicates": 0, "stale": 0, "zero_signal": 0}
+        self.uncommitted: list[Delivery] = []  # trained on, not yet in a checkpoint
+        self.counts = {"duplicates": 0, "stale": 0}
+        self.checkpoint_dir = Path(cfg.run.run_dir) / "checkpoints"
 
     def _on_signal(self, signum, frame) -> None:
         log.info("signal %d: stopping after this step", signum)
         self.stopping = True
 
-    def _next_groups(self, bridge: BrokerBridge) -> tuple[list[str], list[RolloutGroup]]:
+    def _next_groups(self, bridge: BrokerBridge) -> list[Delivery]:
         """B usable groups; duplicates are acknowledged and stale ones dead-lettered."""
         lcfg = self.cfg.learner
-        ids, groups = [], []
-        while len(groups) < lcfg.groups_per_step and not self.stopping:
-            item = bridge.get(timeout=0.5)
-            if item is None:
+        batch: list[Delivery] = []
+        while len(batch) < lcfg.groups_per_step and not self.stopping:
+            d = bridge.get(timeout=0.5)
+            if d is None:
                 continue
-            entry_id, data, group = item
-            if group.group_id in self.seen or any(g.group_id == group.group_id for g in groups):
+            gid = d.group.group_id
+            if gid in self.seen or any(gid == b.group.group_id for b in (*batch, *self.uncommitted)):
                 self.counts["duplicates"] += 1
-                bridge.call(bridge.consumer.ack([entry_id]))
+                log.info("group %s delivered again (entry %s): already trained on, acknowledged", gid, d.entry_id)
+                bridge.ack([d])
                 continue
-            staleness = self.version - group.oldest_version()
+            staleness = self.state.version - d.group.oldest_version()
+            log.debug("group %s from %s: staleness %d", gid, d.group.actor_id, staleness)
             if staleness > lcfg.max_staleness:
                 self.counts["stale"] += 1
-                bridge.call(bridge.consumer.dead_letter(entry_id, data, "stale", f"staleness {staleness}"))
+                bridge.dead_letter(d, "stale", f"staleness {staleness} > learner.max_staleness {lcfg.max_staleness}")
                 continue
-            ids.append(entry_id)
-            groups.append(group)
-        return ids, groups
+            batch.append(d)
+        return batch
+
+    def _publish(self, bridge: BrokerBridge, trainer: Trainer) -> None:
+        store: WeightStore = bridge.store
+        blob = trainer.weights_blob()
+        version, step = self.state.version, self.state.step
+        keys = bridge.keys
+
+        async def publish():
+            await store.publish(version, step, blob)
+            await bridge.client.set(keys.learner_version, version)
+            await bridge.client.hset(keys.learner_state, mapping={"step": step, "version": version, "time": time.time()})
+
+        bridge.call(publish, "publish weights")
+
+    def _commit(self, bridge: BrokerBridge, trainer: Trainer) -> None:
+        """Checkpoint, then acknowledge every group the checkpoint holds."""
+        save_checkpoint(self.checkpoint_dir, self.state, trainer.model, trainer.optimizer, self.cfg.learner.keep_checkpoints)
+        bridge.ack(self.uncommitted)
+        self.uncommitted = []
 
     def run(self) -> None:
         cfg, lcfg = self.cfg, self.cfg.learner
@@ -69,57 +97,66 @@ class Learner:
         signal.signal(signal.SIGINT, self._on_signal)
         torch.manual_seed(lcfg.seed)
         torch.set_num_threads(lcfg.threads)
-        model = load_causal_lm(cfg.model.path, cfg.model.dtype)
-        trainer = Trainer(model, lcfg)
-        keys = Keys(cfg.redis.run)
-        bridge = BrokerBridge(cfg.redis.url, keys, consumer=f"learner-{socket.gethostname()}",
-                              keep_versions=lcfg.keep_versions, queue_size=2 * lcfg.groups_per_step,
-                              read_count=lcfg.groups_per_step).start()
-        latest = bridge.call(bridge.store.latest())
-        if latest is None:
-            bridge.call(bridge.store.publish(0, 0, trainer.weights_blob()))
-        else:
-            self.version = latest["version"]
+        trainer = Trainer(load_causal_lm(cfg.model.path, cfg.model.dtype), lcfg)
+        restored = load_latest(self.checkpoint_dir, trainer.model, trainer.optimizer)
+        bridge = BrokerBridge(cfg.redis, consumer=lcfg.consumer, keep_versions=lcfg.keep_versions,
+                              queue_size=2 * lcfg.groups_per_step, read_count=lcfg.groups_per_step).start()
+        latest = bridge.call(bridge.store.latest, "read the weight version")
+        if restored is not None:
+            self.state = restored
+            self.seen = set(restored.trained_ids)
+        if latest is None or restored is None or latest["version"] != self.state.version:
+            # First start, or weights newer than the checkpoint were published before a crash:
+            # publish what this learner holds under a fresh version number.
+            self.state.version = max(self.state.version, latest["version"] + 1 if latest else 0)
+            self._publish(bridge, trainer)
+        if self.state.step >= lcfg.steps:
+            log.warning("the checkpoint in %s is at step %d, learner.steps is %d: nothing to do (use a new run dir "
+                        "or raise --steps to continue)", self.checkpoint_dir, self.state.step, lcfg.steps)
         sink = JsonlSink(Path(cfg.run.run_dir) / "metrics.jsonl")
-        log.info("learner ready: version %d, %d steps of %d groups", self.version, lcfg.steps, lcfg.groups_per_step)
-        last = time.monotonic()
+        log.info("learner ready: step %d, version %d, %d steps of %d groups", self.state.step, self.state.version,
+                 lcfg.steps, lcfg.groups_per_step)
+        step_times: deque[float] = deque([time.monotonic()], maxlen=2)
         try:
-            for step in range(1, lcfg.steps + 1):
-                ids, groups = self._next_groups(bridge)
+            while self.state.step < lcfg.steps:
+                batch = self._next_groups(bridge)
                 if self.stopping:
                     break
-                record = self._step(trainer, bridge, step, groups)
-                bridge.call(bridge.consumer.ack(ids))
-                self.seen.update(g.group_id for g in groups)
-                now = time.monotonic()
-                record["perf/step_s"] = now - last
-                record["perf/groups_per_s"] = len(groups) / (now - last)
-                record["perf/tokens_per_s"] = record["batch/generated_tokens"] / (now - last)
-                last = now
+                record = self._step(trainer, bridge, [d.group for d in batch])
+                self.uncommitted += batch
+                self.state.trained_ids += [d.group.group_id for d in batch]
+                self.seen.update(d.group.group_id for d in batch)
+                if self.state.step % lcfg.checkpoint_every == 0 or self.state.step == lcfg.steps:
+                    self._commit(bridge, trainer)
+                step_times.append(time.monotonic())
+                dt = step_times[1] - step_times[0]
+                record.update({"perf/step_s": dt, "perf/groups_per_s": len(batch) / dt,
+                               "perf/tokens_per_s": record["batch/generated_tokens"] / dt,
+                               "batch/group_ids": [d.group.group_id for d in batch]})
                 sink.write(record)
                 log.info("step %d reward %.3f groups/s %.2f tokens/s %.0f version %d staleness %.2f",
-                         step, record["reward/mean"], record["perf/groups_per_s"], record["perf/tokens_per_s"],
-                         self.version, record["staleness/mean"])
+                         self.state.step, record["reward/mean"], record["perf/groups_per_s"],
+                         record["perf/tokens_per_s"], self.state.version, record["staleness/mean"])
         finally:
             sink.close()
             bridge.stop()
-        log.info("learner done at version %d", self.version)
+        log.info("learner done at step %d, version %d", self.state.step, self.state.version)
 
-    def _step(self, trainer: Trainer, bridge: BrokerBridge, step: int, groups: list[RolloutGroup]) -> dict:
+    def _step(self, trainer: Trainer, bridge: BrokerBridge, groups: list[RolloutGroup]) -> dict:
         lcfg = self.cfg.learner
         batch = collate(groups, scale_by_std=lcfg.algorithm == "grpo")
-        staleness = np.array([self.version - g.oldest_version() for g in groups])
+        staleness = np.array([self.state.version - g.oldest_version() for g in groups])
         metrics = trainer.train_step(batch)
-        if step % lcfg.publish_every == 0:
-            self.version += 1
+        self.state.step += 1
+        if self.state.step % lcfg.publish_every == 0:
+            self.state.version += 1
             t0 = time.perf_counter()
-            bridge.call(bridge.store.publish(self.version, step, trainer.weights_blob()))
+            self._publish(bridge, trainer)
             metrics["learner/time/publish_s"] = time.perf_counter() - t0
-        self.counts["zero_signal"] += int((~batch.group_signal).sum())
         generated = np.concatenate([s.versions[s.loss_mask.astype(bool)] for g in groups for s in g.samples])
         return {
-            "step": step,
-            "weight_version": self.version,
+            "step": self.state.step,
+            "weight_version": self.state.version,
             "reward/mean": float(batch.rewards.mean()),
             "reward/std": float(batch.rewards.std()),
             "batch/groups": len(groups),
@@ -132,7 +169,7 @@ class Learner:
             "staleness/hist": {str(k): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))},
             "broker/duplicates": self.counts["duplicates"],
             "broker/stale": self.counts["stale"],
-            "broker/dead_letters_invalid": bridge.dead_letters,
+            "broker/dead_letters": dict(bridge.dead_letters),
             **metrics,
         }
 

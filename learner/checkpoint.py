@@ -1,0 +1,59 @@
+"""Checkpoints: model, optimizer, step, weight version and the ids of every group trained
+on, written atomically (temporary file, fsync, rename). Groups are acknowledged only after
+the checkpoint that holds them, so a restarted learner neither loses pending groups nor
+trains twice on acknowledged ones."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import re
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+_NAME = re.compile(r"^step-(\d+)\.pt$")
+
+
+@dataclasses.dataclass
+class LearnerState:
+    step: int = 0
+    version: int = 0
+    trained_ids: list[str] = dataclasses.field(default_factory=list)
+
+
+def save_checkpoint(directory: str | Path, state: LearnerState, model: torch.nn.Module,
+                    optimizer: torch.optim.Optimizer, keep: int) -> Path:
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step-{state.step:08d}.pt"
+    tmp = path.with_suffix(".tmp")
+    with open(tmp, "wb") as f:
+        torch.save({"state": dataclasses.asdict(state), "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict()}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    for old in _checkpoints(directory)[:-keep]:
+        old.unlink()
+    return path
+
+
+def _checkpoints(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.glob("step-*.pt") if _NAME.match(p.name))
+
+
+def load_latest(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> LearnerState | None:
+    """Restore the newest checkpoint into model and optimizer; None if there is none."""
+    found = _checkpoints(Path(directory)) if Path(directory).is_dir() else []
+    if not found:
+        return None
+    data = torch.load(found[-1], map_location="cpu", weights_only=True)
+    model.load_state_dict(data["model"])
+    optimizer.load_state_dict(data["optimizer"])
+    state = LearnerState(**data["state"])
+    log.info("resumed from %s: step %d, version %d, %d groups trained", found[-1], state.step, state.version,
+             len(state.trained_ids))
+    return state
