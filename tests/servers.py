@@ -4,6 +4,7 @@ with a password and an ACL user, certificates made on the spot with openssl."""
 from __future__ import annotations
 
 import contextlib
+import os
 import random
 import shutil
 import socket
@@ -14,9 +15,16 @@ from typing import Iterator
 
 import redis
 
-from broker.embedded import EmbeddedRedis, free_port
+from broker.embedded import EmbeddedRedis, find_redis_server, free_port
 
 SLOTS = 16384
+
+
+def redis_binaries() -> list[str]:
+    """The bundled redis-server (6.2) and, where there is one, the one on PATH (7.x on CI)."""
+    bundled = find_redis_server("bundled")
+    path = shutil.which("redis-server")
+    return [bundled] + ([path] if path and os.path.realpath(path) != os.path.realpath(bundled) else [])
 
 
 def _is_free(port: int) -> bool:

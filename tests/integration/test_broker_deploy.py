@@ -11,7 +11,6 @@ from redis.exceptions import AuthenticationError, NoPermissionError, ResponseErr
 
 from broker.admission import Admission
 from broker.connection import connect
-from broker.embedded import find_redis_server
 from broker.keys import Keys
 from broker.retry import RetryPolicy
 from broker.streams import RolloutProducer
@@ -20,14 +19,9 @@ from common.config import RedisConfig
 from common.messages import decode_group, encode_group
 from learner.bridge import BrokerBridge
 from tests.integration.test_learner_faults import synthetic_group
-from tests.servers import has_tls, local_cluster, tls_acl_server
+from tests.servers import has_tls, local_cluster, redis_binaries, tls_acl_server
 
 pytestmark = pytest.mark.redis
-
-
-def servers():
-    path = shutil.which("redis-server")
-    return [b for b in (find_redis_server("bundled"), path) if b]
 
 
 async def produce(cfg: RedisConfig, n: int, producers: int = 3) -> list[str]:
@@ -63,7 +57,7 @@ def consume(cfg: RedisConfig, n: int, timeout: float = 60) -> list[str]:
     return [d.group.group_id for d in got]
 
 
-@pytest.mark.parametrize("binary", servers())
+@pytest.mark.parametrize("binary", redis_binaries())
 def test_sharded_streams_on_a_real_cluster(tmp_path, run_name, binary):
     with local_cluster(binary, tmp_path) as ports:
         cfg = RedisConfig(url=f"redis://127.0.0.1:{ports[0]}/0", cluster=True, shards=4, run=run_name, max_stream_len=64)
