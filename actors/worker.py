@@ -43,6 +43,7 @@ class Actor:
         self.stop = asyncio.Event()
         self.groups = self.episodes = self.tokens = 0
         self._tokens_per_s = 0.0
+        self.in_flight = 0  # episodes running now
 
     async def run(self) -> None:
         cfg = self.cfg
@@ -81,9 +82,13 @@ class Actor:
             if not await self.retry.run("admission ticket", lambda: self.admission.acquire(self.stop)):
                 return
             task_idx = self.rng.randrange(cfg.env.num_tasks)
-            samples = await asyncio.gather(*[
-                run_episode(self.engine, self.env, self.tokenizer, self.gate, cfg.actor, task_idx, cfg.env.name)
-                for _ in range(cfg.actor.group_size)])
+            self.in_flight += cfg.actor.group_size
+            try:
+                samples = await asyncio.gather(*[
+                    run_episode(self.engine, self.env, self.tokenizer, self.gate, cfg.actor, task_idx, cfg.env.name)
+                    for _ in range(cfg.actor.group_size)])
+            finally:
+                self.in_flight -= cfg.actor.group_size
             group = RolloutGroup(task_id=str(task_idx), env_name=cfg.env.name, actor_id=self.actor_id,
                                  sampling={"temperature": cfg.actor.temperature, "max_tokens": cfg.actor.max_tokens},
                                  samples=samples)
@@ -133,9 +138,9 @@ class Actor:
             dt = now - last[0]
             self._tokens_per_s = (self.tokens - last[2]) / dt
             log.info("groups=%d groups/s=%.2f gen_tokens/s=%.0f weight_version=%d versions_applied=%d "
-                     "waited_on_stream=%.1fs waited_on_tickets=%.1fs buffered=%d", self.groups,
+                     "in_flight_episodes=%d waited_on_stream=%.1fs waited_on_tickets=%.1fs buffered=%d", self.groups,
                      (self.groups - last[1]) / dt, self._tokens_per_s, self.gate.version, self.gate.applied,
-                     self.producer.waited_s, self.admission.waited_s, self.producer.buffered)
+                     self.in_flight, self.producer.waited_s, self.admission.waited_s, self.producer.buffered)
             last = (now, self.groups, self.tokens)
 
 

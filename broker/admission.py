@@ -26,6 +26,23 @@ return {0, started, version}
 """
 
 
+# KEYS[1] = started counter; ARGV[1] = floor. Raises the counter to the floor, never lowers it.
+_FLOOR_LUA = """
+local started = tonumber(redis.call('GET', KEYS[1]) or '0')
+if started < tonumber(ARGV[1]) then
+  redis.call('SET', KEYS[1], ARGV[1])
+  return tonumber(ARGV[1])
+end
+return started
+"""
+
+
+async def floor_started(client, keys: Keys, version: int, groups_per_step: int) -> int:
+    """A learner resuming at version V counts V * B groups as started: otherwise, against a
+    Redis that lost the counter, actors could run V * B groups ahead of the bound."""
+    return int(await client.eval(_FLOOR_LUA, 1, keys.tickets_started, version * groups_per_step))
+
+
 class Admission:
     def __init__(self, client, keys: Keys, groups_per_step: int, eta: int, poll_s: float = 0.05):
         self.client, self.keys = client, keys

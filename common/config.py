@@ -115,7 +115,7 @@ class ActorConfig(Section):
 
 
 class LearnerConfig(Section):
-    steps: int = Field(120, ge=1)
+    steps: int = Field(160, ge=1)
     """Optimizer steps to run, then exit."""
     groups_per_step: int = Field(8, ge=1)
     """B: groups in one optimizer step."""
@@ -141,7 +141,7 @@ class LearnerConfig(Section):
     """Tokens with exp(lp - lb) above this are masked out."""
     dual_clip: float | None = Field(None, gt=1)
     """Dual-clip constant for negative advantages (None: off)."""
-    eta: int = Field(4, ge=0)
+    eta: int = Field(2, ge=0)
     """Staleness bound: actors start a group only while started < (V + eta + 1) * B."""
     max_staleness: int = Field(1000, ge=0)
     """Hard cap: groups staler than this (versions) go to the dead letters as `stale`."""

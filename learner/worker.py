@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from broker.admission import floor_started
 from broker.weights import WeightStore
 from common.config import Config
 from common.messages import RolloutGroup
@@ -110,6 +111,8 @@ class Learner:
             # publish what this learner holds under a fresh version number.
             self.state.version = max(self.state.version, latest["version"] + 1 if latest else 0)
             self._publish(bridge, trainer)
+        bridge.call(lambda: floor_started(bridge.client, bridge.keys, self.state.version, lcfg.groups_per_step),
+                    "admission counter")
         if self.state.step >= lcfg.steps:
             log.warning("the checkpoint in %s is at step %d, learner.steps is %d: nothing to do (use a new run dir "
                         "or raise --steps to continue)", self.checkpoint_dir, self.state.step, lcfg.steps)

@@ -4,7 +4,7 @@ import asyncio
 
 import pytest
 
-from broker.admission import Admission
+from broker.admission import Admission, floor_started
 from broker.connection import connect
 from broker.keys import Keys
 from broker.membership import Membership
@@ -150,6 +150,12 @@ def test_admission_tickets_bound_staleness(redis_server_url, run_name):
         await client.set(keys.learner_version, 5)
         results = await asyncio.gather(*[Admission(client, keys, 2, 1).try_acquire() for _ in range(40)])
         assert sum(results) == (5 + 1 + 1) * 2 - 6
+        # A learner resuming at version 9 against a Redis that lost the counter: no run-ahead.
+        await client.delete(keys.tickets_started)
+        await client.set(keys.learner_version, 9)
+        assert await floor_started(client, keys, version=9, groups_per_step=2) == 18
+        assert await floor_started(client, keys, version=3, groups_per_step=2) == 18  # never lowered
+        assert [await admission.try_acquire() for _ in range(5)] == [True] * 4 + [False]  # (9 + 1 + 1) * 2 - 18
         await client.aclose()
     run(scenario())
 
