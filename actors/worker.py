@@ -68,7 +68,7 @@ class Actor:
                                                    cfg.actor.weight_poll_s, self.stop, self.retry))
                     tg.create_task(self._progress())
                     tg.create_task(self._heartbeat())
-                    flusher = asyncio.create_task(self.producer.run())
+                    flusher = tg.create_task(self.producer.run())  # if it fails, the actor fails
                     loops = [tg.create_task(self._group_loop()) for _ in range(cfg.actor.concurrent_groups)]
                     tg.create_task(self._drain(loops, flusher))
         finally:
@@ -99,13 +99,8 @@ class Actor:
 
     async def _drain(self, loops: list[asyncio.Task], flusher: asyncio.Task) -> None:
         """On stop, let running groups finish and the local buffer reach Redis for drain_s,
-        then cancel what is left. A flusher that fails (Redis gone past the retry policy)
-        fails the actor."""
-        stop = asyncio.create_task(self.stop.wait())
-        await asyncio.wait([stop, flusher], return_when=asyncio.FIRST_COMPLETED)
-        if flusher.done():
-            stop.cancel()
-            flusher.result()
+        then cancel what is left."""
+        await self.stop.wait()
         log.info("stopping: finishing the groups in flight (at most %.0fs)", self.cfg.actor.drain_s)
         deadline = asyncio.get_running_loop().time() + self.cfg.actor.drain_s
         _done, pending = await asyncio.wait(loops, timeout=self.cfg.actor.drain_s)

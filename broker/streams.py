@@ -44,7 +44,6 @@ class RolloutProducer:
         self._buffer: asyncio.Queue[bytes] = asyncio.Queue(buffer_size)
         self._shards = itertools.cycle(range(keys.shards))
         self.waited_s = 0.0
-        self.pushed = 0
 
     async def push(self, data: bytes) -> None:
         await self._buffer.put(data)
@@ -63,7 +62,6 @@ class RolloutProducer:
             data = await self._buffer.get()
             stream = self.keys.rollouts(next(self._shards))
             await self.retry.run("XADD to the rollouts stream", lambda: self._add(stream, data))
-            self.pushed += 1
             self._buffer.task_done()
 
     async def _add(self, stream: str, data: bytes) -> str:

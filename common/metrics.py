@@ -1,24 +1,10 @@
-"""Metric sinks behind one interface; the null sink stands in where nothing is recorded."""
+"""Metrics: one JSON object per learner step in RUN_DIR/metrics.jsonl."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any, Protocol
-
-
-class MetricsSink(Protocol):
-    def write(self, record: dict[str, Any]) -> None: ...
-
-    def close(self) -> None: ...
-
-
-class NullSink:
-    def write(self, record: dict[str, Any]) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+from typing import Any
 
 
 class JsonlSink:

@@ -47,12 +47,6 @@ def init_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, hea
     return out
 
 
-def load_tokenizer(path_or_id: str):
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path_or_id)
-
-
 def load_causal_lm(path_or_id: str, dtype: str = "float32"):
     import torch
     from transformers import AutoModelForCausalLM

@@ -18,6 +18,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ]; then
     exit 0
 fi
 pip=("$venv/bin/python" -m pip install --quiet --disable-pip-version-check)
+# Some machines' pip config names local indexes that do not exist; pip warns once per package.
+exec 2> >(grep -v "is ignored: it is neither a file nor a directory" >&2)
 if [ "$extra" = cpu ]; then
     # Install the CPU torch first, alone: with torch 2.13.0 already present, nothing
     # later may pull a newer (CUDA) build.
