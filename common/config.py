@@ -119,7 +119,7 @@ class LearnerConfig(Section):
     """Optimizer steps to run, then exit."""
     groups_per_step: int = Field(8, ge=1)
     """B: groups in one optimizer step."""
-    lr: float = Field(3e-3, gt=0)
+    lr: float = Field(1e-3, gt=0)
     """AdamW learning rate."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
@@ -139,6 +139,8 @@ class LearnerConfig(Section):
     """C: cap on the behaviour importance weight exp(lp - lb)."""
     behav_reject: float = Field(5.0, gt=1)
     """Tokens with exp(lp - lb) above this are masked out."""
+    entropy_coef: float = Field(0.01, ge=0)
+    """Weight of the entropy bonus (mean entropy over generated tokens), against collapse."""
     dual_clip: float | None = Field(None, gt=1)
     """Dual-clip constant for negative advantages (None: off)."""
     eta: int = Field(2, ge=0)

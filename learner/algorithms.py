@@ -45,6 +45,18 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(picked, (1, 0))
 
 
+def token_entropy(logits: torch.Tensor) -> torch.Tensor:
+    """logits (N, T, V) -> (N, T) entropy of the distribution that produced tokens[:, t]
+    (from logits[:, t - 1]); position 0 gets 0, like token_logprobs."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (N, T-1, V)
+    entropy = -(logp.exp() * logp).sum(-1)  # (N, T-1)
+    return torch.nn.functional.pad(entropy, (1, 0))
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
 def policy_loss(cur_logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
                 advantages: torch.Tensor, loss_mask: torch.Tensor, cfg: LossConfig,
                 norm_tokens: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:

@@ -16,6 +16,7 @@ class Batch:
     tokens: torch.Tensor  # (N, T) long, right-padded
     attention_mask: torch.Tensor  # (N, T)
     loss_mask: torch.Tensor  # (N, T) float, 1 on generated tokens of groups with signal
+    generated_mask: torch.Tensor  # (N, T) float, 1 on every generated token
     behav_logprobs: torch.Tensor  # (N, T)
     advantages: torch.Tensor  # (N,)
     rewards: np.ndarray  # (N,)
@@ -34,6 +35,7 @@ def collate(groups: list[RolloutGroup], scale_by_std: bool = True, pad_id: int =
     tokens = torch.full((N, T), pad_id, dtype=torch.long)
     attention = torch.zeros((N, T), dtype=torch.long)
     loss_mask = torch.zeros((N, T), dtype=torch.float32)
+    generated = torch.zeros((N, T), dtype=torch.float32)
     behav = torch.zeros((N, T), dtype=torch.float32)
     advantages, signal = [], []
     for g in groups:
@@ -45,8 +47,9 @@ def collate(groups: list[RolloutGroup], scale_by_std: bool = True, pad_id: int =
         n = len(s.tokens)
         tokens[i, :n] = torch.from_numpy(s.tokens.astype(np.int64))
         attention[i, :n] = 1
+        generated[i, :n] = torch.from_numpy(s.loss_mask.astype(np.float32))
         if sig:
-            loss_mask[i, :n] = torch.from_numpy(s.loss_mask.astype(np.float32))
+            loss_mask[i, :n] = generated[i, :n]
         behav[i, :n] = torch.from_numpy(s.logprobs.copy())
-    return Batch(tokens, attention, loss_mask, behav, torch.cat(advantages).float(),
+    return Batch(tokens, attention, loss_mask, generated, behav, torch.cat(advantages).float(),
                  np.array([s.reward for s in samples], np.float32), np.array(signal), len(groups))

@@ -9,7 +9,7 @@ from safetensors.torch import save as save_safetensors
 
 from common.config import LearnerConfig
 from common.timing import Timer
-from learner.algorithms import LossConfig, policy_loss, token_logprobs
+from learner.algorithms import LossConfig, masked_mean, policy_loss, token_entropy, token_logprobs
 from learner.batch import Batch
 
 
@@ -21,29 +21,35 @@ class Trainer:
                                    cfg.dual_clip)
         self.timer = Timer()
 
-    def _logprobs(self, batch: Batch) -> torch.Tensor:
+    def _forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """Log-prob and entropy of the policy at every token, each (N, T)."""
         logits = self.model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits  # (N, T, V)
-        return token_logprobs(logits, batch.tokens)  # (N, T)
+        return token_logprobs(logits, batch.tokens), token_entropy(logits)
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         metrics: dict[str, float] = {}
-        if batch.num_trained_tokens == 0:
+        if batch.num_trained_tokens == 0 and self.cfg.entropy_coef == 0:
             metrics.update({"learner/skipped": 1.0})
             return metrics
         self.model.train()
         with self.timer("proximal"), torch.no_grad():
-            prox = self._logprobs(batch)
+            prox, _ = self._forward(batch)
         with self.timer("forward"):
-            cur = self._logprobs(batch)
-            loss, loss_metrics = policy_loss(cur, prox, batch.behav_logprobs, batch.advantages, batch.loss_mask,
-                                             self.loss_cfg)
+            cur, entropy = self._forward(batch)
+            pg_loss, loss_metrics = policy_loss(cur, prox, batch.behav_logprobs, batch.advantages, batch.loss_mask,
+                                                self.loss_cfg)
+            # Over every generated token, groups without signal included: that is where a
+            # collapsed (deterministic) policy needs the push back towards exploring.
+            mean_entropy = masked_mean(entropy, batch.generated_mask)
+            loss = pg_loss - self.cfg.entropy_coef * mean_entropy
         with self.timer("backward"):
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         with self.timer("optimizer"):
             self.optimizer.step()
-        metrics["learner/loss/policy"] = float(loss.detach())
+        metrics["learner/loss/policy"] = float(pg_loss.detach())
+        metrics["learner/entropy"] = float(mean_entropy.detach())
         metrics["learner/grad_norm"] = float(grad_norm)
         metrics.update({f"learner/{k}": v for k, v in loss_metrics.items()})
         metrics.update(self.timer.pop("learner/time/"))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.algorithms import LossConfig, grpo_advantages, has_signal, policy_loss, token_logprobs
+from learner.algorithms import LossConfig, grpo_advantages, has_signal, policy_loss, token_entropy, token_logprobs
 
 
 def np_grpo(rewards, scale=True):
@@ -94,3 +94,16 @@ def test_token_logprobs_picks_next_token():
     assert torch.all(got[:, 0] == 0)
     for t in range(1, 5):
         torch.testing.assert_close(got[:, t], ref[torch.arange(2), t - 1, tokens[:, t]])
+
+
+def test_token_entropy_matches_numpy():
+    logits = torch.randn(2, 4, 6)
+    got = token_entropy(logits).numpy()
+    x = logits.numpy().astype(np.float64)
+    p = np.exp(x - x.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    ref = -(p * np.log(p)).sum(-1)
+    assert np.all(got[:, 0] == 0)
+    np.testing.assert_allclose(got[:, 1:], ref[:, :-1], rtol=1e-5)
+    uniform = token_entropy(torch.zeros(1, 3, 6))
+    np.testing.assert_allclose(uniform[0, 1:].numpy(), np.log(6), rtol=1e-6)
