@@ -41,7 +41,7 @@ class Actor:
         self.actor_id = f"{socket.gethostname()}-{os.getpid()}-{index}"
         self.rng = random.Random(cfg.actor.seed + index)
         self.stop = asyncio.Event()
-        self.groups = self.episodes = self.tokens = 0
+        self.groups = self.tokens = 0
         self._tokens_per_s = 0.0
         self.in_flight = 0  # episodes running now
 
@@ -94,7 +94,6 @@ class Actor:
                                  samples=samples)
             await self.producer.push(encode_group(group))
             self.groups += 1
-            self.episodes += len(samples)
             self.tokens += sum(int(s.loss_mask.sum()) for s in samples)
 
     async def _drain(self, loops: list[asyncio.Task], flusher: asyncio.Task) -> None:

@@ -21,10 +21,8 @@ class Trainer:
                                    cfg.dual_clip)
         self.timer = Timer()
 
-    def _forward(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        """Log-prob and entropy of the policy at every token, each (N, T)."""
-        logits = self.model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits  # (N, T, V)
-        return token_logprobs(logits, batch.tokens), token_entropy(logits)
+    def _logits(self, batch: Batch) -> torch.Tensor:
+        return self.model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits  # (N, T, V)
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         metrics: dict[str, float] = {}
@@ -33,9 +31,10 @@ class Trainer:
             return metrics
         self.model.train()
         with self.timer("proximal"), torch.no_grad():
-            prox, _ = self._forward(batch)
+            prox = token_logprobs(self._logits(batch), batch.tokens)  # (N, T)
         with self.timer("forward"):
-            cur, entropy = self._forward(batch)
+            logits = self._logits(batch)
+            cur, entropy = token_logprobs(logits, batch.tokens), token_entropy(logits)  # (N, T) each
             pg_loss, loss_metrics = policy_loss(cur, prox, batch.behav_logprobs, batch.advantages, batch.loss_mask,
                                                 self.loss_cfg)
             # Over every generated token, groups without signal included: that is where a

@@ -59,7 +59,8 @@ class Learner:
             if d is None:
                 continue
             gid = d.group.group_id
-            if gid in self.seen or any(gid == b.group.group_id for b in (*batch, *self.uncommitted)):
+            # `seen` holds every group trained on, committed or not; `batch` the ones just taken.
+            if gid in self.seen or any(gid == b.group.group_id for b in batch):
                 self.counts["duplicates"] += 1
                 log.info("group %s delivered again (entry %s): already trained on, acknowledged", gid, d.entry_id)
                 bridge.ack([d])
