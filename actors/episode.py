@@ -3,6 +3,7 @@
 One growing token buffer per episode: the prompt, then every generated token exactly as
 the engine sampled it (mask 1, its behaviour log-prob and weight version), then every
 observation's tokens (mask 0). Nothing generated is ever re-tokenised.
+An env failure raises (an `EnvError`); the caller fails the episode's whole group.
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ async def run_episode(engine: Engine, env: EnvClient, tokenizer, gate: WeightGat
                 break
             buf.add_context(obs_ids)
     finally:
-        await env.close(env_id)
+        await env.close_quietly(env_id)
     return Sample(
         tokens=np.asarray(buf.tokens, np.int32),
         loss_mask=np.asarray(buf.loss_mask, np.uint8),

@@ -12,7 +12,7 @@ import tempfile
 from typing import AsyncIterator, Awaitable, Callable
 
 from broker.retry import RetryPolicy
-from broker.weights import WeightStore
+from broker.weights import WeightStore, WeightVersionError
 
 log = logging.getLogger(__name__)
 
@@ -53,20 +53,37 @@ class WeightGate:
                 self._cond.notify_all()
 
 
+async def apply_newest(store: WeightStore, gate: WeightGate, load_path: Callable[[str], Awaitable[None]],
+                       directory: str, retry: RetryPolicy = RetryPolicy()) -> bool:
+    """Fetch, verify and apply the newest version if it is newer than the one in use.
+    A version rotated out (or failing its checksum) between reading the record and fetching
+    the bytes is skipped with a warning: the next call reads the record again, and so
+    fetches the newest. True if a version was applied."""
+    record = await retry.run("read the weight version", store.latest)
+    if record is None or record["version"] <= gate.version:
+        return False
+    try:
+        blob = await retry.run("fetch weights", lambda: store.fetch(record))
+    except WeightVersionError as exc:
+        log.warning("%s: fetching the newest version instead", exc)
+        return False
+    path = os.path.join(directory, f"v{record['version']}.safetensors")
+    with open(path, "wb") as f:
+        f.write(blob)
+    try:
+        await gate.apply(record["version"], lambda: load_path(path))
+    finally:
+        os.unlink(path)
+    log.info("applied weight version %d (step %d, %d bytes)", record["version"], record["step"], record["nbytes"])
+    return True
+
+
 async def receive_weights(store: WeightStore, gate: WeightGate, load_path: Callable[[str], Awaitable[None]],
                           poll_s: float, stop: asyncio.Event, retry: RetryPolicy = RetryPolicy()) -> None:
-    """Poll the version record; fetch, verify and apply each newer version."""
+    """Poll the version record; apply each newer version."""
     with tempfile.TemporaryDirectory(prefix="omrl-weights-") as tmp:
         while not stop.is_set():
-            record = await retry.run("read the weight version", store.latest)
-            if record is not None and record["version"] > gate.version:
-                blob = await retry.run("fetch weights", lambda: store.fetch(record))
-                path = os.path.join(tmp, f"v{record['version']}.safetensors")
-                with open(path, "wb") as f:
-                    f.write(blob)
-                await gate.apply(record["version"], lambda: load_path(path))
-                os.unlink(path)
-                log.info("applied weight version %d (step %d, %d bytes)", record["version"], record["step"],
-                         record["nbytes"])
+            if await apply_newest(store, gate, load_path, tmp, retry):
+                continue  # a newer one may be out already
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), poll_s)

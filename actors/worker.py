@@ -1,22 +1,34 @@
 """The actor process: a vLLM engine, env clients and a producer. Runs `concurrent_groups`
-group loops; each takes a task, runs G episodes of it concurrently and pushes one group."""
+group loops; each takes an admission ticket and a task, runs G episodes of it concurrently
+and pushes one group.
+
+A failing env costs one group, never the actor: an env error, an env timeout or an
+unreachable env server fails the group (its ticket comes back, counted under the reason)
+and the loop goes on; while the env server is unreachable, no new group starts until it
+answers again. On SIGTERM the groups in flight may finish for `actor.drain_s` (the rest are
+cancelled, their tickets returned as `cancelled`), then the finished groups have
+`actor.flush_s` of their own to reach Redis.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import random
 import signal
 import socket
+import tempfile
 import time
+from collections import Counter
 
 import aiohttp
 
 from actors.engine import VLLMEngine
 from actors.episode import run_episode
-from actors.weights import WeightGate, receive_weights
+from actors.weights import WeightGate, apply_newest, receive_weights
 from broker.admission import Admission
 from broker.connection import connect
 from broker.keys import Keys
@@ -25,10 +37,18 @@ from broker.retry import REDIS_TRANSIENT, RetryPolicy
 from broker.streams import RolloutProducer
 from broker.weights import WeightStore
 from common.config import Config
-from common.messages import RolloutGroup, encode_group
-from envs.client import EnvClient
+from common.messages import CodecError, RolloutGroup, encode_group
+from envs.client import EnvClient, EnvError
 
 log = logging.getLogger(__name__)
+
+
+class GroupFailed(Exception):
+    """A group that cannot be finished; `reason` is counted (failed:<reason>)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
 
 
 class Actor:
@@ -38,10 +58,18 @@ class Actor:
         if not cfg.redis.url:
             raise SystemExit("error: redis.url is unset: pass --set redis.url=redis://HOST:PORT/0")
         self.cfg, self.index = cfg, index
-        self.actor_id = f"{socket.gethostname()}-{os.getpid()}-{index}"
+        # The name outlives the process: a restarted actor takes its predecessor's place
+        # (membership, and the tickets it left behind come back at once).
+        self.name = f"{socket.gethostname()}-{index}"
+        self.incarnation = f"{os.getpid()}.{time.time_ns() // 1_000_000}"
+        self._ticket_ids = itertools.count()
         self.rng = random.Random(cfg.actor.seed + index)
         self.stop = asyncio.Event()
+        self.env_up = asyncio.Event()  # cleared while the env server is unreachable
+        self.env_down = asyncio.Event()
         self.groups = self.tokens = 0
+        self.failed: Counter[str] = Counter()
+        self.running: set[str] = set()  # tickets of the groups running now
         self._tokens_per_s = 0.0
         self.in_flight = 0  # episodes running now
 
@@ -50,74 +78,155 @@ class Actor:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, self.stop.set)
-        self.engine = VLLMEngine(cfg.model, cfg.actor, cfg.model.path, seed=cfg.actor.seed + self.index)
-        self.tokenizer = self.engine.tokenizer
         keys = Keys(cfg.redis.run, cfg.redis.shards)
         client = connect(cfg.redis)
         self.retry = RetryPolicy(attempts=cfg.redis.retry_attempts)
-        self.producer = RolloutProducer(client, keys, cfg.redis.max_stream_len, cfg.redis.producer_buffer, self.retry)
-        self.admission = Admission(client, keys, cfg.learner.groups_per_step, cfg.learner.eta)
+        self.admission = Admission(client, keys, cfg.learner.groups_per_step, cfg.learner.eta,
+                                   cfg.learner.publish_every, cfg.redis.ticket_ttl_s)
+        returned = await self.retry.run("return the tickets of an earlier process",
+                                        lambda: self.admission.release_predecessors(self.name, self.incarnation))
+        if returned:
+            log.warning("%d admission tickets of an earlier process of actor %s came back (counted as actor_lost)",
+                        returned, self.name)
+        self.producer = RolloutProducer(client, keys, cfg.redis.max_stream_len, cfg.redis.producer_buffer, self.retry,
+                                        admission=self.admission)
         self.members = Membership(client, keys)
+        self.engine = VLLMEngine(cfg.model, cfg.actor, cfg.model.path, seed=cfg.actor.seed + self.index)
+        self.tokenizer = self.engine.tokenizer
         store = WeightStore(client, keys)
         self.gate = WeightGate(version=0)
         try:
+            with tempfile.TemporaryDirectory(prefix="omrl-weights-") as tmp:  # start on the current version
+                await apply_newest(store, self.gate, self.engine.load_weights, tmp, self.retry)
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
-                self.env = EnvClient(cfg.env.base_url, session)
+                self.env = EnvClient(cfg.env.base_url, session, cfg.env.timeout_s)
+                self.env_up.set()
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(receive_weights(store, self.gate, self.engine.load_weights,
                                                    cfg.actor.weight_poll_s, self.stop, self.retry))
                     tg.create_task(self._progress())
                     tg.create_task(self._heartbeat())
+                    tg.create_task(self._watch_env())
                     flusher = tg.create_task(self.producer.run())  # if it fails, the actor fails
                     loops = [tg.create_task(self._group_loop()) for _ in range(cfg.actor.concurrent_groups)]
                     tg.create_task(self._drain(loops, flusher))
         finally:
             await client.aclose()
             self.engine.shutdown()
-        log.info("stopped after %d groups", self.groups)
+        log.info("stopped after %d groups (%d failed: %s)", self.groups, sum(self.failed.values()),
+                 dict(self.failed) or "none")
 
     async def _group_loop(self) -> None:
         cfg = self.cfg
         while not self.stop.is_set():
-            if not await self.retry.run("admission ticket", lambda: self.admission.acquire(self.stop)):
+            if not await _wait_either(self.env_up, self.stop):
+                return
+            ticket = f"{self.name}|{self.incarnation}|{next(self._ticket_ids)}"
+            self.running.add(ticket)  # before the request: a stop during it still returns the ticket
+            if not await self.retry.run("admission ticket", lambda: self.admission.acquire(ticket, self.stop)):
+                self.running.discard(ticket)
                 return
             task_idx = self.rng.randrange(cfg.env.num_tasks)
-            self.in_flight += cfg.actor.group_size
             try:
-                samples = await asyncio.gather(*[
-                    run_episode(self.engine, self.env, self.tokenizer, self.gate, cfg.actor, task_idx, cfg.env.name)
-                    for _ in range(cfg.actor.group_size)])
-            finally:
-                self.in_flight -= cfg.actor.group_size
-            group = RolloutGroup(task_id=str(task_idx), env_name=cfg.env.name, actor_id=self.actor_id,
-                                 sampling={"temperature": cfg.actor.temperature, "max_tokens": cfg.actor.max_tokens},
-                                 samples=samples)
-            await self.producer.push(encode_group(group))
+                group = await self._run_group(task_idx)
+                data = encode_group(group)
+            except (GroupFailed, CodecError) as exc:  # CodecError: the group is over the size limit
+                await self._fail(ticket, exc.reason, f"group of task {task_idx} failed: {exc}")
+                if exc.reason == "env_unreachable":
+                    self.env_up.clear()
+                    self.env_down.set()
+                continue
+            await self.producer.push(data, ticket)  # the producer commits the ticket after the XADD
+            self.running.discard(ticket)
             self.groups += 1
-            self.tokens += sum(int(s.loss_mask.sum()) for s in samples)
+            self.tokens += sum(int(s.loss_mask.sum()) for s in group.samples)
+
+    async def _run_group(self, task_idx: int) -> RolloutGroup:
+        """G episodes of one task; the first env failure cancels the others and fails the group."""
+        cfg = self.cfg
+        self.in_flight += cfg.actor.group_size
+        try:
+            async with asyncio.TaskGroup() as tg:
+                episodes = [tg.create_task(run_episode(self.engine, self.env, self.tokenizer, self.gate, cfg.actor,
+                                                       task_idx, cfg.env.name))
+                            for _ in range(cfg.actor.group_size)]
+        except* EnvError as errors:
+            first = errors.exceptions[0]
+            raise GroupFailed(first.reason, str(first)) from None
+        finally:
+            self.in_flight -= cfg.actor.group_size
+        return RolloutGroup(task_id=str(task_idx), env_name=cfg.env.name, actor_id=self.name,
+                            sampling={"temperature": cfg.actor.temperature, "max_tokens": cfg.actor.max_tokens},
+                            samples=[e.result() for e in episodes])
+
+    async def _fail(self, ticket: str, reason: str, message: str) -> None:
+        self.failed[reason] += 1
+        log.warning("%s (reason %s; %d groups failed so far)", message, reason, sum(self.failed.values()))
+        await self.retry.run("return the admission ticket", lambda: self.admission.release(ticket, reason))
+        self.running.discard(ticket)
+
+    async def _watch_env(self) -> None:
+        """While the env server is unreachable no new group starts: poll it until it answers."""
+        while not self.stop.is_set():
+            if not await _wait_either(self.env_down, self.stop):
+                return
+            log.warning("env server %s unreachable: no new groups until it answers", self.cfg.env.base_url)
+            delay = 0.5
+            while not self.stop.is_set():
+                try:
+                    await self.env.health(attempts=1)
+                    break
+                except EnvError:
+                    with contextlib.suppress(asyncio.TimeoutError):
+                        await asyncio.wait_for(self.stop.wait(), delay)
+                    delay = min(2 * delay, 10.0)
+            log.info("env server %s answers: starting groups again", self.cfg.env.base_url)
+            self.env_down.clear()
+            self.env_up.set()
 
     async def _drain(self, loops: list[asyncio.Task], flusher: asyncio.Task) -> None:
-        """On stop, let running groups finish and the local buffer reach Redis for drain_s,
-        then cancel what is left."""
+        """On stop, let running groups finish for drain_s and cancel the rest (their tickets
+        come back as `cancelled`), then give the finished groups flush_s to reach Redis.
+        The stream's length bound no longer holds them back: a clean stop loses nothing."""
         await self.stop.wait()
-        log.info("stopping: finishing the groups in flight (at most %.0fs)", self.cfg.actor.drain_s)
-        deadline = asyncio.get_running_loop().time() + self.cfg.actor.drain_s
-        _done, pending = await asyncio.wait(loops, timeout=self.cfg.actor.drain_s)
+        acfg = self.cfg.actor
+        log.info("stopping: finishing the groups in flight (at most %.0fs)", acfg.drain_s)
+        _done, pending = await asyncio.wait(loops, timeout=acfg.drain_s) if loops else (set(), set())
         for task in pending:
             task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for ticket in list(self.running):
+            await self._release_quietly(ticket, "cancelled")
+        if pending:
+            log.info("cancelled %d groups in flight (counted as cancelled)", len(pending))
+        self.producer.ignore_bound = True
         try:
-            await asyncio.wait_for(self.producer.flush(), max(0.1, deadline - asyncio.get_running_loop().time()))
+            await asyncio.wait_for(self.producer.flush(), acfg.flush_s)
         except asyncio.TimeoutError:
-            log.warning("stopping with %d groups not yet written to Redis", self.producer.buffered)
+            log.warning("stopping with %d groups not written to Redis (Redis unreachable?): their tickets "
+                        "come back when they expire", self.producer.buffered)
         flusher.cancel()
-        await self.members.leave(self.actor_id)
+        with contextlib.suppress(*REDIS_TRANSIENT):
+            await self.members.leave(self.name)
+
+    async def _release_quietly(self, ticket: str, reason: str) -> None:
+        self.running.discard(ticket)
+        try:
+            if await asyncio.wait_for(self.admission.release(ticket, reason), 2.0):
+                self.failed[reason] += 1
+        except (asyncio.TimeoutError, *REDIS_TRANSIENT) as exc:
+            log.warning("could not return ticket %s (%s): it comes back when it expires", ticket, exc)
 
     async def _heartbeat(self) -> None:
+        """Heartbeats also renew the tickets this actor holds: running groups and groups
+        waiting in the producer's buffer."""
         while not self.stop.is_set():
             try:
-                await self.members.heartbeat(self.actor_id, role="actor", host=socket.gethostname(), pid=os.getpid(),
+                await self.members.heartbeat(self.name, role="actor", host=socket.gethostname(), pid=os.getpid(),
                                              version=self.gate.version, groups=self.groups,
+                                             groups_failed=sum(self.failed.values()),
                                              tokens_per_s=round(self._tokens_per_s, 1))
+                await self.admission.renew(sorted(self.running | self.producer.tickets))
             except REDIS_TRANSIENT as exc:  # a missed heartbeat is not worth stopping for
                 log.warning("heartbeat failed: %s", exc)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -132,10 +241,22 @@ class Actor:
             dt = now - last[0]
             self._tokens_per_s = (self.tokens - last[2]) / dt
             log.info("groups=%d groups/s=%.2f gen_tokens/s=%.0f weight_version=%d versions_applied=%d "
-                     "in_flight_episodes=%d waited_on_stream=%.1fs waited_on_tickets=%.1fs buffered=%d", self.groups,
-                     (self.groups - last[1]) / dt, self._tokens_per_s, self.gate.version, self.gate.applied,
-                     self.in_flight, self.producer.waited_s, self.admission.waited_s, self.producer.buffered)
+                     "in_flight_episodes=%d groups_failed=%d waited_on_stream=%.1fs waited_on_tickets=%.1fs "
+                     "buffered=%d", self.groups, (self.groups - last[1]) / dt, self._tokens_per_s, self.gate.version,
+                     self.gate.applied, self.in_flight, sum(self.failed.values()), self.producer.waited_s,
+                     self.admission.waited_s, self.producer.buffered)
             last = (now, self.groups, self.tokens)
+
+
+async def _wait_either(event: asyncio.Event, stop: asyncio.Event) -> bool:
+    """Wait until `event` is set (True) or `stop` is (False)."""
+    if event.is_set():
+        return not stop.is_set()
+    waiters = [asyncio.create_task(event.wait()), asyncio.create_task(stop.wait())]
+    await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    for w in waiters:
+        w.cancel()
+    return event.is_set() and not stop.is_set()
 
 
 def main(cfg: Config, index: int = 0) -> None:

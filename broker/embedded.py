@@ -38,6 +38,24 @@ def free_port(host: str = "127.0.0.1") -> int:
         return sock.getsockname()[1]
 
 
+def wait_until_up(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
+    """Wait until the server on `port` answers PING (or says it wants a password);
+    RuntimeError if `proc` exits first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"redis-server exited with {proc.returncode}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith((b"+PONG", b"-NOAUTH")):
+                    return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"redis-server did not answer PING on port {port} within {timeout}s")
+
+
 class EmbeddedRedis:
     """Starts redis-server on a free port in a private directory; stops it by pid."""
 
@@ -55,26 +73,23 @@ class EmbeddedRedis:
     def url(self) -> str:
         return f"redis://127.0.0.1:{self.port}/0"
 
-    def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+    def command(self) -> list[str]:
+        return [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                 "--appendonly", "yes" if self.appendonly else "no", "--dir", self.data_dir,
                 "--daemonize", "no", "--loglevel", "warning", *self.extra_args]
+
+    def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
         log.info("starting %s on port %d", self.binary, self.port)
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                err = self.proc.stderr.read().decode(errors="replace")
-                raise RuntimeError(f"redis-server exited with {self.proc.returncode}: {err.strip()}")
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as sock:
-                    sock.sendall(b"PING\r\n")
-                    if sock.recv(16).startswith((b"+PONG", b"-NOAUTH")):  # up (and maybe password-protected)
-                        return self
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise TimeoutError(f"redis-server did not answer PING on port {self.port} within {timeout}s")
+        self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        try:
+            wait_until_up(self.port, self.proc, timeout)
+        except RuntimeError:
+            raise RuntimeError(f"redis-server exited with {self.proc.returncode}: "
+                               f"{self.proc.stderr.read().decode(errors='replace').strip()}") from None
+        except TimeoutError:
+            self.stop()
+            raise
+        return self
 
     def stop(self, timeout: float = 10.0) -> None:
         if self.proc is not None and self.proc.poll() is None:

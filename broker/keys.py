@@ -46,19 +46,29 @@ class Keys:
         return f"{self.prefix}:weights:blob:{version}"
 
     @property
-    def learner_version(self) -> str:
-        """The learner's published version, read by the admission script."""
-        return f"{self.prefix}:learner:version"
-
-    @property
     def learner_state(self) -> str:
         """Hash: the learner's step and version, for `omrl status`."""
         return f"{self.prefix}:learner:state"
 
     @property
-    def tickets_started(self) -> str:
-        """Counter of groups started (admission tickets granted)."""
-        return f"{self.prefix}:tickets:started"
+    def tickets_held(self) -> str:
+        """Sorted set: admission tickets of groups running now, scored by their expiry time."""
+        return f"{self.prefix}:tickets:held"
+
+    @property
+    def tickets_lost(self) -> str:
+        """Sorted set: tickets that came back because their actor was presumed dead, scored by when."""
+        return f"{self.prefix}:tickets:lost"
+
+    @property
+    def tickets_accepted(self) -> str:
+        """Counter of groups written to the streams and not dead-lettered: the admission bound's other half."""
+        return f"{self.prefix}:tickets:accepted"
+
+    @property
+    def counts(self) -> str:
+        """Hash of monotonic counters: started, produced, failed:<reason>, dead:<reason>."""
+        return f"{self.prefix}:counts"
 
     @property
     def members(self) -> str:

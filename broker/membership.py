@@ -26,6 +26,7 @@ class Membership:
         out = []
         for raw in (await self.client.hgetall(self.keys.members)).values():
             record = json.loads(raw)
-            record["alive"] = now - record["last_seen"] <= dead_after_s
+            record["silent_s"] = now - record["last_seen"]
+            record["alive"] = record["silent_s"] <= dead_after_s
             out.append(record)
         return sorted(out, key=lambda r: r["id"])

@@ -1,32 +1,54 @@
-"""Everything `omrl status` shows about a run, read from Redis."""
+"""Everything `omrl status` shows about a run, read from Redis with a handful of cheap
+commands (counters and hashes; nothing scans a stream)."""
 
 from __future__ import annotations
 
-from collections import Counter
 from typing import Any
 
+from broker.admission import group_counts
 from broker.keys import Keys
 from broker.membership import Membership
 from broker.streams import stream_info
 from broker.weights import WeightStore
 
 
-async def run_status(client, keys: Keys, dead_after_s: float, dead_letter_scan: int = 100_000) -> dict[str, Any]:
+async def run_status(client, keys: Keys, dead_after_s: float) -> dict[str, Any]:
     streams = [await stream_info(client, keys, shard) for shard in range(keys.shards)]
-    reasons: Counter[str] = Counter()
-    for _entry_id, fields in await client.xrevrange(keys.dead_letters, count=dead_letter_scan):
-        reasons[fields.get(b"reason", b"?").decode()] += 1
     state = {k.decode(): v.decode() for k, v in (await client.hgetall(keys.learner_state)).items()}
-    started = await client.get(keys.tickets_started)
+    learner = ({"step": int(state["step"]), "version": int(state["version"]),
+                "groups_trained": int(state.get("groups_trained", 0))} if state else None)
     return {
         "run": keys.run,
         "streams": streams,
-        "dead_letters": dict(sorted(reasons.items())),
+        "groups": accounting(await group_counts(client, keys), learner, streams),
         "members": await Membership(client, keys).members(dead_after_s),
-        "learner": {"step": int(state["step"]), "version": int(state["version"])} if state else None,
+        "learner": learner,
         "weights": await WeightStore(client, keys).latest(),
-        "groups_started": int(started) if started else 0,
     }
+
+
+def accounting(counts: dict[str, Any], learner: dict[str, Any] | None, streams: list[dict[str, Any]]) -> dict[str, Any]:
+    """Every group started is produced, failed with a reason, or still running; every group
+    produced is trained, dead-lettered, or waiting in a stream. `unaccounted` is what the
+    second sum misses: 0 unless Redis lost data (or copies a retried XADD wrote are waiting)."""
+    trained = learner["groups_trained"] if learner else 0
+    waiting = sum(s["length"] for s in streams)
+    dead = sum(counts["dead_lettered"].values())
+    return {**counts, "trained": trained, "waiting": waiting,
+            "unaccounted": counts["produced"] - trained - dead - waiting}
+
+
+def format_accounting(groups: dict[str, Any]) -> str:
+    def reasons(by_reason: dict[str, int]) -> str:
+        return f" ({', '.join(f'{k} {v}' for k, v in by_reason.items())})" if by_reason else ""
+
+    failed, dead = groups["failed"], groups["dead_lettered"]
+    text = (f"groups: {groups['started']} started = {groups['produced']} produced + {sum(failed.values())} failed"
+            f"{reasons(failed)} + {groups['held']} running; produced = {groups['trained']} trained + "
+            f"{sum(dead.values())} dead-lettered{reasons(dead)} + {groups['waiting']} waiting in the streams")
+    if groups["unaccounted"]:
+        text += f" ({groups['unaccounted']:+d} unaccounted: duplicates waiting, or Redis lost data)"
+    return text
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -34,15 +56,16 @@ def format_status(status: dict[str, Any]) -> str:
     learner = status["learner"]
     lines.append(f"learner: step {learner['step']}, version {learner['version']}" if learner
                  else "learner: not started")
-    lines.append(f"groups started (admission tickets): {status['groups_started']}")
+    lines.append(format_accounting(status["groups"]))
     for s in status["streams"]:
         lines.append(f"stream {s['stream']}: length {s['length']}, pending {s['pending']}, lag {s['lag']}, "
                      f"consumers {s['consumers']}")
-    dead = status["dead_letters"]
+    dead = status["groups"]["dead_lettered"]
     lines.append("dead letters: " + (", ".join(f"{k} {v}" for k, v in dead.items()) if dead else "none"))
     members = status["members"]
     lines.append(f"actors: {sum(m['alive'] for m in members)} live, {sum(not m['alive'] for m in members)} dead")
     for m in members:
         lines.append(f"  {m['id']:<32} {'live' if m['alive'] else 'DEAD'}  version {m.get('version')}  "
-                     f"groups {m.get('groups')}  tokens/s {m.get('tokens_per_s')}  host {m.get('host')}")
+                     f"groups {m.get('groups')}  failed {m.get('groups_failed', 0)}  tokens/s {m.get('tokens_per_s')}  "
+                     f"host {m.get('host')}")
     return "\n".join(lines)

@@ -1,6 +1,7 @@
 """The rollouts streams: producers XADD encoded groups, the learner reads them through a
 consumer group, acknowledges them after the step that used them is committed (XACK then
-XDEL, pipelined), and sends what it cannot use to the dead-letter stream with the reason.
+XDEL, pipelined), and sends what it cannot use to the dead-letter stream with the reason
+(the stream is capped; the counts by reason are kept whole in the run's `counts` hash).
 
 Nothing is trimmed: back-pressure makes producers wait while a stream is full. Producers
 keep a bounded local buffer and retry by a declared policy while Redis is unreachable.
@@ -12,11 +13,12 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Any
+from typing import Any, Container, NamedTuple
 
 import redis.asyncio as aioredis
 from redis.exceptions import ResponseError
 
+from broker.admission import Admission
 from broker.keys import Keys
 from broker.retry import RetryPolicy
 
@@ -29,24 +31,38 @@ def _id(entry_id: bytes | str) -> str:
     return entry_id.decode() if isinstance(entry_id, bytes) else entry_id
 
 
+class Entry(NamedTuple):
+    """One stream entry as read: its id, its payload (None if it was deleted while pending)
+    and how many times it has been delivered, this delivery included."""
+
+    id: str
+    data: bytes | None
+    deliveries: int
+
+
 class RolloutProducer:
     """Pushes encoded rollout groups, round-robin over the run's streams.
 
     `push` puts the group in a bounded local buffer (waiting while it is full); a flusher
     task writes it to Redis, waiting while the stream is full and retrying by `retry`
-    while Redis is unreachable. A retried XADD whose reply was lost can write a group
-    twice; the learner de-duplicates by group id.
+    while Redis is unreachable, then commits the group's admission ticket. A retried XADD
+    whose reply was lost can write a group twice; the learner de-duplicates by group id.
     """
 
     def __init__(self, client: aioredis.Redis, keys: Keys, max_len: int, buffer_size: int = 64,
-                 retry: RetryPolicy = RetryPolicy(), poll_s: float = 0.05):
+                 retry: RetryPolicy = RetryPolicy(), poll_s: float = 0.05, admission: Admission | None = None):
         self.client, self.keys, self.max_len, self.poll_s, self.retry = client, keys, max_len, poll_s, retry
-        self._buffer: asyncio.Queue[bytes] = asyncio.Queue(buffer_size)
+        self.admission = admission
+        self._buffer: asyncio.Queue[tuple[bytes, str | None]] = asyncio.Queue(buffer_size)
         self._shards = itertools.cycle(range(keys.shards))
         self.waited_s = 0.0
+        self.ignore_bound = False  # set when stopping: finished groups go out past the length bound
+        self.tickets: set[str] = set()  # admission tickets of the groups not yet committed
 
-    async def push(self, data: bytes) -> None:
-        await self._buffer.put(data)
+    async def push(self, data: bytes, ticket: str | None = None) -> None:
+        await self._buffer.put((data, ticket))
+        if ticket is not None:
+            self.tickets.add(ticket)
 
     @property
     def buffered(self) -> int:
@@ -59,15 +75,19 @@ class RolloutProducer:
     async def run(self) -> None:
         """The flusher: runs until cancelled."""
         while True:
-            data = await self._buffer.get()
+            data, ticket = await self._buffer.get()
             stream = self.keys.rollouts(next(self._shards))
             await self.retry.run("XADD to the rollouts stream", lambda: self._add(stream, data))
+            if ticket is not None:
+                if self.admission is not None:
+                    await self.retry.run("commit the admission ticket", lambda: self.admission.commit(ticket))
+                self.tickets.discard(ticket)
             self._buffer.task_done()
 
     async def _add(self, stream: str, data: bytes) -> str:
         started = time.monotonic()
         logged = False
-        while await self.client.xlen(stream) >= self.max_len:
+        while not self.ignore_bound and await self.client.xlen(stream) >= self.max_len:
             if not logged:
                 log.info("rollouts stream %s full (%d groups): waiting for the learner", stream, self.max_len)
                 logged = True
@@ -79,15 +99,19 @@ class RolloutProducer:
 class RolloutConsumer:
     """Reads one stream for one named consumer of the learner's consumer group.
 
-    A (re)started consumer first re-reads its own pending entries (id 0), then new ones
-    (>). An entry whose payload was deleted comes back with data None: acknowledge it.
+    A (re)started consumer first reads its own pending entries once, in order, with a
+    cursor (each XREADGROUP with an id returns the entries after it), then new ones (>).
     """
 
     def __init__(self, client: aioredis.Redis, keys: Keys, consumer: str, shard: int = 0):
         self.client, self.keys, self.consumer, self.shard = client, keys, consumer, shard
         self.stream = keys.rollouts(shard)
         self.group = keys.consumer_group
-        self.reading_pending = True
+        self.pending_cursor: str | None = "0"  # None: own pending entries have been read
+
+    def rewind(self) -> None:
+        """Read own pending entries again from the start (after a restart, say)."""
+        self.pending_cursor = "0"
 
     async def ensure_group(self) -> None:
         try:
@@ -96,19 +120,26 @@ class RolloutConsumer:
             if "BUSYGROUP" not in str(exc):
                 raise
 
-    async def read(self, count: int, block_ms: int = 1000) -> list[tuple[str, bytes | None]]:
-        """Own pending entries first (sets `reading_pending`), then new ones."""
-        if self.reading_pending:
-            entries = await self._xreadgroup("0", count, None)
+    async def read(self, count: int, block_ms: int = 1000) -> list[Entry]:
+        """Own pending entries first, each once, then new ones."""
+        if self.pending_cursor is not None:
+            entries = await self._xreadgroup(self.pending_cursor, count, None)
             if entries:
-                return entries
-            self.reading_pending = False
-        return await self._xreadgroup(">", count, block_ms)
+                self.pending_cursor = entries[-1][0]
+                return await self._with_deliveries(entries)
+            self.pending_cursor = None
+        return [Entry(e, d, 1) for e, d in await self._xreadgroup(">", count, block_ms)]
 
     async def _xreadgroup(self, start: str, count: int, block_ms: int | None) -> list[tuple[str, bytes | None]]:
         reply = await self.client.xreadgroup(self.group, self.consumer, {self.stream: start}, count=count, block=block_ms)
         return [(_id(entry_id), (fields or {}).get(PAYLOAD_FIELD))
                 for _stream, entries in (reply or []) for entry_id, fields in entries]
+
+    async def _with_deliveries(self, entries: list[tuple[str, bytes | None]]) -> list[Entry]:
+        rows = await self.client.xpending_range(self.stream, self.group, min=entries[0][0], max=entries[-1][0],
+                                                count=len(entries), consumername=self.consumer)
+        counts = {_id(r["message_id"]): int(r["times_delivered"]) for r in rows}
+        return [Entry(e, d, counts.get(e, 1)) for e, d in entries]
 
     async def ack(self, entry_ids: list[str]) -> None:
         if not entry_ids:
@@ -118,35 +149,52 @@ class RolloutConsumer:
             pipe.xdel(self.stream, *entry_ids)
             await pipe.execute()
 
-    async def dead_letter(self, entry_id: str, data: bytes | None, reason: str, detail: str = "") -> None:
-        """Move an entry to the dead-letter stream with its reason, then acknowledge it."""
+    async def dead_letter(self, entry_id: str, data: bytes | None, reason: str, detail: str = "",
+                          max_len: int = 10_000) -> None:
+        """Move an entry to the dead-letter stream (capped at about `max_len` entries) with its
+        reason, count it, give its admission ticket back, then acknowledge it."""
         log.warning("dead letter %s %s: %s %s", self.stream, entry_id, reason, detail)
-        await self.client.xadd(self.keys.dead_letters, {b"reason": reason, b"detail": detail[:1000], b"stream": self.stream,
-                                                        b"entry": entry_id, b"data": data or b""})
+        async with self.client.pipeline(transaction=True) as pipe:  # one slot: the run's hash tag
+            pipe.xadd(self.keys.dead_letters, {b"reason": reason, b"detail": detail[:1000], b"stream": self.stream,
+                                               b"entry": entry_id, b"data": data or b""},
+                      maxlen=max_len, approximate=True)
+            pipe.hincrby(self.keys.counts, f"dead:{reason}", 1)
+            pipe.decr(self.keys.tickets_accepted)
+            await pipe.execute()
         await self.ack([entry_id])
 
-    async def claim_idle(self, min_idle_ms: int, count: int = 100) -> list[tuple[str, bytes | None]]:
-        """XAUTOCLAIM every entry idle longer than `min_idle_ms` (from dead consumers) to this
-        consumer. Accepts both reply shapes: Redis 7 adds a list of deleted ids (already
-        dropped from the pending list); Redis 6.2 returns a deleted entry as (None, None)
-        and keeps it pending, so the next read() re-reads own pending entries, where it
-        comes back as (id, None) to be acknowledged."""
-        out, cursor = [], "0-0"
+    async def claim_idle(self, min_idle_ms: int, held: Container[str] = (), count: int = 100) -> list[Entry]:
+        """Claim entries pending longer than `min_idle_ms` that nobody is working on: those of
+        other consumers (dead ones), and this consumer's own entries that it does not hold
+        (`held`), which a read whose reply was lost delivered to it unseen. Entries it holds
+        are never claimed: that would bump their delivery count while they wait for a
+        checkpoint. Own entries are left alone while the pending cursor still runs.
+        A claimed entry whose payload was deleted is acknowledged (Redis 6.2 claims it as
+        (None, None); 7.x drops it from the pending list)."""
+        out: list[Entry] = []
+        start = "-"
         while True:
-            reply = await self.client.xautoclaim(self.stream, self.group, self.consumer, min_idle_ms,
-                                                 start_id=cursor, count=count)
-            cursor, entries = _id(reply[0]), reply[1]
-            for entry_id, fields in entries:
-                if entry_id is None:  # Redis 6.2: a deleted entry, id not given
-                    self.reading_pending = True
-                else:
-                    out.append((_id(entry_id), (fields or {}).get(PAYLOAD_FIELD)))
-            if cursor == "0-0":
+            rows = await self.client.xpending_range(self.stream, self.group, min=start, max="+", count=count,
+                                                    idle=min_idle_ms)
+            wanted = {}
+            for r in rows:
+                entry_id, owner = _id(r["message_id"]), _id(r["consumer"])
+                if owner != self.consumer or (self.pending_cursor is None and entry_id not in held):
+                    wanted[entry_id] = int(r["times_delivered"])
+            if wanted:
+                claimed = await self.client.xclaim(self.stream, self.group, self.consumer, min_idle_ms, list(wanted))
+                got = {_id(e): (f or {}).get(PAYLOAD_FIELD) for e, f in claimed if e is not None}
+                out += [Entry(e, d, wanted[e] + 1) for e, d in got.items()]
+                for e in wanted.keys() - got.keys():
+                    if await self._owns(e):  # claimed, payload gone (Redis 6.2)
+                        await self.ack([e])
+            if len(rows) < count:
                 return out
+            start = "(" + _id(rows[-1]["message_id"])
 
-    async def delivery_count(self, entry_id: str) -> int:
+    async def _owns(self, entry_id: str) -> bool:
         rows = await self.client.xpending_range(self.stream, self.group, min=entry_id, max=entry_id, count=1)
-        return int(rows[0]["times_delivered"]) if rows else 0
+        return bool(rows) and _id(rows[0]["consumer"]) == self.consumer
 
     async def remove_gone_consumers(self, idle_ms: int) -> list[str]:
         """Delete consumers other than this one that hold nothing and were idle longer than `idle_ms`."""

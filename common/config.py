@@ -55,6 +55,10 @@ class RedisConfig(Section):
     """A member whose last heartbeat is older than this is reported dead."""
     embedded_aof: bool = False
     """`omrl run`'s embedded server: append-only file with fsync always (no loss on restart)."""
+    ticket_ttl_s: float = Field(60.0, gt=0)
+    """An admission ticket whose actor sent no heartbeat for this long comes back (actor presumed dead)."""
+    dead_letter_max: int = Field(10_000, ge=1)
+    """The dead-letter stream keeps about this many newest entries (counts by reason are kept whole)."""
 
 
 class ModelConfig(Section):
@@ -77,6 +81,8 @@ class EnvConfig(Section):
     """Tasks are integers 0..num_tasks-1 (AgentGym `data_idx`)."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Env-specific options passed to the env constructor (letters: turns, alphabet)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """One env request may take this long; past it the episode's group fails (reason env_timeout)."""
 
     @property
     def base_url(self) -> str:
@@ -111,7 +117,9 @@ class ActorConfig(Section):
     heartbeat_s: float = Field(2.0, gt=0)
     """How often an actor sends a heartbeat."""
     drain_s: float = Field(5.0, ge=0)
-    """On stop, how long groups in flight may run before they are cancelled."""
+    """On stop, how long groups in flight may run before they are cancelled (reason cancelled)."""
+    flush_s: float = Field(5.0, ge=0)
+    """On stop, how long finished groups may take to reach Redis, after the drain."""
 
 
 class LearnerConfig(Section):
@@ -151,12 +159,34 @@ class LearnerConfig(Section):
     """Checkpoint every k steps; groups are acknowledged only once a checkpoint holds them."""
     keep_checkpoints: int = Field(2, ge=1)
     """Checkpoints kept in RUN_DIR/checkpoints."""
+    dedup_window: int = Field(100_000, ge=1)
+    """Ids of the last this-many groups trained on are remembered (and checkpointed) to skip redeliveries."""
     consumer: str = Field("learner-0", pattern=r"^[A-Za-z0-9_.-]+$")
     """Consumer name in the group; keep it across restarts so the learner re-reads its own pending entries."""
     threads: int = Field(1, ge=1)
     """torch intra-op threads."""
     seed: int = 0
     """Seed for torch."""
+
+
+class SupervisorConfig(Section):
+    """How `omrl run` keeps its processes alive (the names follow supervisord and systemd)."""
+
+    restart: Literal["on-failure", "never"] = "on-failure"
+    """on-failure: restart a process that exits (the learner: unless it finished with code 0); never: stop the run."""
+    max_restarts: int = Field(5, ge=0)
+    """Restart budget per process: at most this many restarts within restart_window_s, then the run stops."""
+    restart_window_s: float = Field(600.0, gt=0)
+    """The window of the restart budget; older restarts no longer count."""
+    backoff_s: float = Field(1.0, ge=0)
+    """Delay before the first restart; it doubles with each restart still in the window."""
+    backoff_max_s: float = Field(30.0, ge=0)
+    """Longest delay before a restart."""
+    start_s: float = Field(10.0, ge=0)
+    """A process that exits this soon after its first start stops the run at once: a start failure is
+    a configuration or installation problem, which restarts do not fix."""
+    log_lines: int = Field(20, ge=0)
+    """Lines of a process's log shown when it exits."""
 
 
 class RunConfig(Section):
@@ -173,6 +203,7 @@ class Config(Section):
     env: EnvConfig = Field(default_factory=EnvConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
@@ -182,6 +213,13 @@ class Config(Section):
                 f"redis.max_stream_len x redis.shards must hold (learner.checkpoint_every + 1) x "
                 f"learner.groups_per_step = {pending} groups (acknowledged only after a checkpoint): "
                 f"raise redis.max_stream_len or lower learner.checkpoint_every")
+        if self.learner.dedup_window < pending + self.redis.max_stream_len * self.redis.shards:
+            raise ValueError(
+                f"learner.dedup_window must cover the groups that can be pending or waiting in the streams "
+                f"({pending + self.redis.max_stream_len * self.redis.shards}): raise learner.dedup_window")
+        if self.redis.ticket_ttl_s < 3 * self.actor.heartbeat_s:
+            raise ValueError(f"redis.ticket_ttl_s must be at least 3 x actor.heartbeat_s ({3 * self.actor.heartbeat_s}s): "
+                             f"heartbeats renew tickets, and one missed heartbeat must not return them")
         if self.actor.max_tokens >= self.actor.max_seq_len:
             raise ValueError("actor.max_tokens must be below actor.max_seq_len: raise max_seq_len or lower max_tokens")
         return self

@@ -37,7 +37,7 @@ class CodecError(ValueError):
     """A message that cannot be decoded or fails validation; the text says what and where.
 
     `reason` is short and stable, for dead-letter records: undecodable, oversize, kind,
-    schema_version or invalid.
+    schema_version or invalid (which includes NaN or infinite log-probs and rewards).
     """
 
     def __init__(self, message: str, reason: str = "invalid"):
@@ -182,9 +182,14 @@ def _decode_sample(obj: Any, where: str) -> Sample:
     num_turns = _field(obj, "num_turns", int, where)
     if num_turns != turn_rewards.shape[0]:
         raise CodecError(f"{where}: num_turns={num_turns} but {turn_rewards.shape[0]} turn rewards")
+    reward = float(_field(obj, "reward", (int, float), where))
+    # Bad numbers never reach the weights: a NaN or infinite log-prob or reward poisons a step.
+    for name, values in (("logprobs", arrays["logprobs"]), ("turn_rewards", turn_rewards), ("reward", [reward])):
+        if not np.isfinite(values).all():
+            raise CodecError(f"{where}.{name}: not finite (NaN or infinite values)")
     return Sample(
         **arrays,
-        reward=float(_field(obj, "reward", (int, float), where)),
+        reward=reward,
         turn_rewards=turn_rewards,
         num_turns=num_turns,
         finish_reason=_field(obj, "finish_reason", str, where),

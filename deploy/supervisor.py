@@ -1,78 +1,188 @@
 """`omrl run`, the embedded default: a Redis server of its own (unless redis.url is set),
 the env server, N actor processes and the learner, all real processes on this machine.
-Stops when the learner finishes its steps, on Ctrl-C, or when any process dies, and
-leaves no process behind (each child runs in its own process group, killed by pid)."""
+
+The supervisor keeps the run alive: a process that exits is restarted (Redis on the same
+port with the same data) after a backoff that doubles with each restart, within a budget
+per process (`supervisor.max_restarts` in any `supervisor.restart_window_s`); each restart
+is logged with the last lines of the process's log. The run stops when the learner
+finishes its steps (exit code 0), on Ctrl-C, or when a process has spent its budget, with
+a message that names it. Each child runs in its own process group, killed as a whole, so
+nothing is left behind (vLLM's engine processes included).
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections import deque
 from pathlib import Path
+from typing import Callable
 
 from common.cli import config_from_args, log_config
-from common.config import Config, dump_toml
+from common.config import Config, SupervisorConfig, dump_toml
 from common.logs import setup_logging
 
 log = logging.getLogger("omrl.run")
 STOP_TIMEOUT_S = 20.0
 
 
-class Child:
-    def __init__(self, name: str, args: list[str], log_path: Path | None):
-        self.name = name
-        out = open(log_path, "ab") if log_path else None
-        self.log_path = log_path
-        self.proc = subprocess.Popen(args, stdout=out or None, stderr=subprocess.STDOUT if out else None,
-                                     start_new_session=True)
-        if out:
-            out.close()
+class Process:
+    """One supervised process: its command, its log file, its restarts. With `echo`, its
+    output also goes to this process's stdout (the learner's one line per step)."""
+
+    def __init__(self, name: str, args: list[str], log_path: Path, echo: bool = False,
+                 ready: Callable[["Process"], None] | None = None):
+        self.name, self.args, self.log_path, self.echo, self.ready = name, args, log_path, echo, ready
+        self.proc: subprocess.Popen | None = None
+        self.restarts: deque[float] = deque()  # monotonic times of restarts
+        self.restart_at: float | None = None
+        self.started_at = 0.0
+        self.starts = 0
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as out:
+            self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE if self.echo else out,
+                                         stderr=subprocess.STDOUT, start_new_session=True)
+        if self.echo:
+            threading.Thread(target=self._tee, args=(self.proc.stdout,), daemon=True).start()
+        self.starts += 1
+        self.started_at = time.monotonic()
+        if self.ready is not None:
+            self.ready(self)
+
+    def _tee(self, stream) -> None:
+        with open(self.log_path, "ab") as out:
+            for line in stream:
+                out.write(line)
+                out.flush()
+                sys.stdout.buffer.write(line)
+                sys.stdout.flush()
 
     def alive(self) -> bool:
-        return self.proc.poll() is None
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def returncode(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
 
     def signal(self, sig: int) -> None:
+        if self.proc is None:
+            return
         try:
             os.killpg(self.proc.pid, sig)
         except ProcessLookupError:
             pass
 
-    def tail(self, lines: int = 20) -> str:
-        if not self.log_path or not self.log_path.exists():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
-
-
-def _wait_http(url: str, child: Child, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if not child.alive():
-            raise RuntimeError(f"{child.name} exited with {child.proc.returncode}:\n{child.tail()}")
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        """SIGTERM, wait, then SIGKILL the whole process group."""
+        if self.proc is None:
+            return
+        self.signal(signal.SIGTERM)
         try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"{child.name} did not answer {url} within {timeout}s")
-
-
-def stop_all(children: list[Child], timeout: float = STOP_TIMEOUT_S) -> None:
-    """Stop in reverse start order (actors before the env server they talk to): SIGTERM,
-    wait, then SIGKILL the whole process group (vLLM's engine processes too)."""
-    for child in reversed(children):
-        child.signal(signal.SIGTERM)
-        try:
-            child.proc.wait(timeout)
+            self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in %.0fs: killing it", child.name, timeout)
-        child.signal(signal.SIGKILL)
-        child.proc.wait()
+            log.warning("%s did not stop in %.0fs: killing it", self.name, timeout)
+        self.signal(signal.SIGKILL)
+        self.proc.wait()
+
+    def tail(self, lines: int = 20) -> str:
+        if lines <= 0 or not self.log_path.exists():
+            return ""
+        with open(self.log_path, "rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
+            return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+
+
+def describe_exit(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+class Supervisor:
+    """Restarts processes that exit, within their budgets. `check()` returns None while
+    the run goes on, 0 when the learner finished, 1 when a budget is spent."""
+
+    def __init__(self, cfg: SupervisorConfig, processes: list[Process], learner: Process | None):
+        self.cfg, self.processes, self.learner = cfg, processes, learner
+
+    def backoff(self, process: Process) -> float:
+        return min(self.cfg.backoff_max_s, self.cfg.backoff_s * 2 ** max(0, len(process.restarts) - 1))
+
+    def check(self) -> int | None:
+        now = time.monotonic()
+        for p in self.processes:
+            if p.restart_at is not None:
+                if now >= p.restart_at:
+                    p.restart_at = None
+                    log.info("restarting %s (restart %d)", p.name, len(p.restarts))
+                    p.start()
+                continue
+            code = p.returncode
+            if code is None:
+                continue
+            p.signal(signal.SIGKILL)  # what it left behind in its process group
+            if p is self.learner and code == 0:
+                log.info("learner finished with exit code 0")
+                return 0
+            while p.restarts and now - p.restarts[0] > self.cfg.restart_window_s:
+                p.restarts.popleft()
+            first_start_failed = p.starts == 1 and now - p.started_at < self.cfg.start_s
+            if self.cfg.restart == "never" or first_start_failed or len(p.restarts) >= self.cfg.max_restarts:
+                why = ("supervisor.restart is never" if self.cfg.restart == "never" else
+                       f"it failed {now - p.started_at:.0f}s after its first start (within supervisor.start_s: a "
+                       f"configuration or installation problem, not retried)" if first_start_failed else
+                       f"it used its restart budget ({len(p.restarts)} restarts in {self.cfg.restart_window_s:.0f}s, "
+                       f"supervisor.max_restarts = {self.cfg.max_restarts})")
+                log.error("%s %s; stopping the run: %s. Last lines of its log (%s):\n%s", p.name, describe_exit(code),
+                          why, p.log_path, p.tail(self.cfg.log_lines))
+                return 1
+            p.restarts.append(now)
+            delay = self.backoff(p)
+            p.restart_at = now + delay
+            log.warning("%s %s; restart %d of at most %d in %.0fs, in %.1fs. Last lines of its log (%s):\n%s",
+                        p.name, describe_exit(code), len(p.restarts), self.cfg.max_restarts,
+                        self.cfg.restart_window_s, delay, p.log_path, p.tail(self.cfg.log_lines))
+        return None
+
+
+def _wait_http(url: str, timeout: float = 60.0) -> Callable[[Process], None]:
+    def ready(process: Process) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not process.alive():
+                return  # the supervisor sees the exit and decides
+            try:
+                with urllib.request.urlopen(url, timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.2)
+        log.error("%s did not answer %s within %.0fs: killing it", process.name, url, timeout)
+        process.signal(signal.SIGKILL)  # the supervisor sees the exit and restarts it
+    return ready
+
+
+def _wait_redis(port: int) -> Callable[[Process], None]:
+    def ready(process: Process) -> None:
+        from broker.embedded import wait_until_up
+
+        try:
+            wait_until_up(port, process.proc)
+        except RuntimeError:
+            pass  # exited: the supervisor sees it and decides
+    return ready
 
 
 def prepare(cfg: Config) -> Config:
@@ -104,12 +214,11 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args, extra)
     setup_logging("omrl", cfg.run.log_level)
     run_dir = Path(cfg.run.run_dir)
-    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    logs = run_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
     (run_dir / "redis").mkdir(exist_ok=True)
     cfg = prepare(cfg)
 
-    redis = None
-    children: list[Child] = []
     stopping = False
 
     def on_signal(signum, frame):
@@ -118,52 +227,88 @@ def run(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
+    redis: Process | None = None
+    processes: list[Process] = []
     try:
         if not cfg.redis.url:
-            from broker.embedded import EmbeddedRedis
+            from broker.embedded import EmbeddedRedis, free_port
 
             aof = ["--appendfsync", "always"] if cfg.redis.embedded_aof else []
-            redis = EmbeddedRedis(appendonly=cfg.redis.embedded_aof, data_dir=str((run_dir / "redis").resolve()),
-                                  extra_args=aof).start()
-            cfg.redis.url = redis.url
-            log.info("embedded redis-server (%s) on %s", redis.binary, redis.url)
+            server = EmbeddedRedis(port=free_port(), appendonly=cfg.redis.embedded_aof,
+                                   data_dir=str((run_dir / "redis").resolve()), extra_args=aof)
+            redis = Process("redis", server.command(), logs / "redis.log", ready=_wait_redis(server.port))
+            redis.start()
+            if not redis.alive():
+                raise SystemExit(f"error: redis-server {describe_exit(redis.returncode)}:\n{redis.tail()}")
+            cfg.redis.url = server.url
+            log.info("embedded redis-server (%s) on %s%s", server.binary, server.url,
+                     ", append-only file with fsync always" if cfg.redis.embedded_aof else
+                     " (no persistence: if it restarts, the groups it held are lost; redis.embedded_aof keeps them)")
+            processes.append(redis)
         config_path = run_dir / "config.toml"
         config_path.write_text(dump_toml(cfg))
         log_config(cfg)
         py = [sys.executable, "-m"]
         cfg_args = ["--config", str(config_path)]
         if not cfg.env.url:
-            env = Child("env-server", [*py, "envs", *cfg_args], run_dir / "logs" / "env.log")
-            children.append(env)
-            _wait_http(cfg.env.base_url + "/", env)
+            env = Process("env-server", [*py, "envs", *cfg_args], logs / "env.log",
+                          ready=_wait_http(cfg.env.base_url + "/"))
+            env.start()
+            processes.append(env)
+            if not env.alive():
+                raise SystemExit(f"error: the env server {describe_exit(env.returncode)}:\n{env.tail()}")
             log.info("env server %r on %s", cfg.env.name, cfg.env.base_url)
-        learner = Child("learner", [*py, "learner", *cfg_args], None)
-        children.append(learner)
-        for i in range(cfg.actor.num_actors):
-            children.append(Child(f"actor{i}", [*py, "actors", *cfg_args, "--index", str(i)],
-                                  run_dir / "logs" / f"actor{i}.log"))
-        log.info("started %d actors (logs in %s); the learner prints one line per step",
-                 cfg.actor.num_actors, run_dir / "logs")
-        while not stopping:
-            if not learner.alive():
-                break
-            dead = [c for c in children if not c.alive()]
-            if dead:
-                c = dead[0]
-                log.error("%s exited with %s; stopping the run. Last lines of its log:\n%s",
-                          c.name, c.proc.returncode, c.tail())
-                return 1
-            time.sleep(0.5)
+        learner = Process("learner", [*py, "learner", *cfg_args], logs / "learner.log", echo=True)
+        processes.append(learner)
+        processes += [Process(f"actor{i}", [*py, "actors", *cfg_args, "--index", str(i)], logs / f"actor{i}.log")
+                      for i in range(cfg.actor.num_actors)]
+        for p in processes:
+            if p.proc is None:
+                p.start()
+        log.info("started %d actors (logs in %s); the learner prints one line per step; restarts: %s, at most %d "
+                 "per process in %.0fs", cfg.actor.num_actors, logs, cfg.supervisor.restart,
+                 cfg.supervisor.max_restarts, cfg.supervisor.restart_window_s)
+        supervisor = Supervisor(cfg.supervisor, processes, learner)
+        outcome = None
+        while not stopping and outcome is None:
+            outcome = supervisor.check()
+            time.sleep(0.2)
         if stopping:
             log.info("interrupted: stopping every process")
             return 130
-        log.info("learner finished with exit code %d", learner.proc.returncode)
-        _plot(run_dir)
-        return learner.proc.returncode
+        return outcome
     finally:
-        stop_all(children)
+        for p in reversed(processes):  # actors before the env server they talk to; Redis last
+            if p is not redis:
+                p.stop()
+        if cfg.redis.url and (redis is None or redis.alive()):
+            _report(cfg, run_dir)
         if redis is not None:
             redis.stop()
+        if (run_dir / "metrics.jsonl").exists():
+            _plot(run_dir)
+
+
+def _report(cfg: Config, run_dir: Path) -> None:
+    """The run's accounting, logged and written to RUN_DIR/accounting.json."""
+    from broker.connection import connect
+    from broker.keys import Keys
+    from broker.status import format_accounting, run_status
+
+    async def gather():
+        client = connect(cfg.redis)
+        try:
+            return await run_status(client, Keys(cfg.redis.run, cfg.redis.shards), cfg.redis.dead_after_s)
+        finally:
+            await client.aclose()
+
+    try:
+        groups = asyncio.run(gather())["groups"]
+    except Exception as exc:  # noqa: BLE001 - a report must not hide how the run ended
+        log.warning("could not read the run's accounting from Redis: %s", exc)
+        return
+    (run_dir / "accounting.json").write_text(json.dumps(groups, indent=2) + "\n")
+    log.info("%s", format_accounting(groups))
 
 
 def _plot(run_dir: Path) -> None:

@@ -7,8 +7,9 @@
     GET  /observation?id=     a string
     POST /close               {"id"}                   -> true
 
-Every env instance belongs to one client; instances idle longer than `idle_ttl_s` are
-freed (AgentGym's servers never free what a crashed client left behind). Bad requests
+Every env instance belongs to one client (ids start at a random offset, so a restarted
+server never hands out an id that a client of its predecessor still holds); instances idle
+longer than `idle_ttl_s` are freed (AgentGym's servers never free what a crashed client left behind). Bad requests
 get a 4xx answer with a JSON body ``{"error": "..."}``.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import secrets
 import logging
 import time
 from typing import Any
@@ -54,7 +56,9 @@ class EnvServer:
         self.idle_ttl_s, self.max_envs = idle_ttl_s, max_envs
         self.envs: dict[int, Env] = {}
         self.last_used: dict[int, float] = {}
-        self._ids = itertools.count()
+        # Ids start at a random offset: a client still holding an id of a server that died
+        # gets 404 from its successor, never another client's env.
+        self._ids = itertools.count(secrets.randbelow(2 ** 40))
         self.stats = {"created": 0, "closed": 0, "reaped": 0, "steps": 0}
 
     # -- helpers --------------------------------------------------------------------------

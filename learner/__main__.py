@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from common.cli import add_config_args, config_from_args, log_config
 from common.logs import setup_logging
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> None:
     log_config(cfg)
     from learner.worker import main as run
 
-    run(cfg)
+    sys.exit(run(cfg))
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 """The single bridge thread between the asyncio broker and the synchronous learner.
 
 On its own event loop it runs one reader per rollout stream (shard), feeding a bounded
-queue; a janitor that reclaims entries idle too long from dead consumers (XAUTOCLAIM),
-removes consumers that are gone and reports dead actors; and the learner's broker calls
+queue; a janitor that claims entries idle too long that nobody works on (those of dead
+consumers, and own ones a lost reply delivered unseen), removes consumers that are gone,
+reports dead actors and forgets long-dead ones; and the learner's broker calls
 (ack, publish, dead letters), which the learner thread submits with `call`. Undecodable
 or invalid messages, and entries delivered more than `max_deliveries` times, go to the
 dead letters with their reason; the readers keep running. Connection faults are retried
@@ -25,7 +26,7 @@ from broker.connection import connect
 from broker.keys import Keys
 from broker.membership import Membership
 from broker.retry import RetryPolicy
-from broker.streams import RolloutConsumer
+from broker.streams import Entry, RolloutConsumer
 from broker.weights import WeightStore
 from common.config import RedisConfig
 from common.messages import CodecError, RolloutGroup, decode_group
@@ -112,7 +113,8 @@ class BrokerBridge:
         self.in_flight.difference_update(d.key for d in deliveries)
 
     async def _dead_letter(self, shard: int, entry_id: str, data: bytes | None, reason: str, detail: str) -> None:
-        await self.retry.run("dead letter", lambda: self.consumers[shard].dead_letter(entry_id, data, reason, detail))
+        await self.retry.run("dead letter", lambda: self.consumers[shard].dead_letter(entry_id, data, reason, detail,
+                                                                                   self.cfg.dead_letter_max))
         self.dead_letters[reason] = self.dead_letters.get(reason, 0) + 1
         self.in_flight.discard((shard, entry_id))
 
@@ -146,7 +148,6 @@ class BrokerBridge:
 
     async def _reader(self, consumer: RolloutConsumer) -> None:
         while not self._stop.is_set():
-            recovered = consumer.reading_pending
             try:
                 entries = await self.retry.run("XREADGROUP", lambda: consumer.read(self.read_count, block_ms=500))
             except ResponseError as exc:
@@ -155,33 +156,31 @@ class BrokerBridge:
                 log.warning("consumer group of %s is gone (Redis lost its data?): creating it again", consumer.stream)
                 await consumer.ensure_group()
                 continue
-            await self._handle(consumer, entries, recovered)
+            await self._handle(consumer, entries)
 
-    async def _handle(self, consumer: RolloutConsumer, entries: list[tuple[str, bytes | None]], recovered: bool) -> None:
-        for entry_id, data in entries:
-            key = (consumer.shard, entry_id)
-            if key in self.in_flight:  # already being handled, queued or in a step: a re-read
+    async def _handle(self, consumer: RolloutConsumer, entries: list[Entry]) -> None:
+        for entry in entries:
+            key = (consumer.shard, entry.id)
+            if key in self.in_flight:  # already being handled, queued or in a step
                 continue
             # Claim it before the first await: the janitor and a reader may hold the same entry.
             self.in_flight.add(key)
-            if data is None:  # payload deleted after an earlier delivery
-                await self.retry.run("XACK", lambda: consumer.ack([entry_id]))
+            if entry.data is None:  # payload deleted after an earlier delivery
+                await self.retry.run("XACK", lambda: consumer.ack([entry.id]))
                 self.in_flight.discard(key)
                 continue
-            if recovered:
-                deliveries = await self.retry.run("XPENDING", lambda: consumer.delivery_count(entry_id))
-                if deliveries > self.cfg.max_deliveries:
-                    await self._dead_letter(consumer.shard, entry_id, data, "max_deliveries",
-                                            f"delivered {deliveries} times")
-                    continue
+            if entry.deliveries > self.cfg.max_deliveries:
+                await self._dead_letter(consumer.shard, entry.id, entry.data, "max_deliveries",
+                                        f"delivered {entry.deliveries} times")
+                continue
             try:
-                group = decode_group(data)
+                group = decode_group(entry.data)
             except CodecError as exc:
-                await self._dead_letter(consumer.shard, entry_id, data, exc.reason, str(exc))
+                await self._dead_letter(consumer.shard, entry.id, entry.data, exc.reason, str(exc))
                 continue
             while not self._stop.is_set():
                 try:
-                    self.queue.put_nowait(Delivery(consumer.shard, entry_id, data, group))
+                    self.queue.put_nowait(Delivery(consumer.shard, entry.id, entry.data, group))
                     break
                 except queue.Full:
                     await asyncio.sleep(0.01)
@@ -191,18 +190,28 @@ class BrokerBridge:
         while not self._stop.is_set():
             await asyncio.sleep(cfg.janitor_every_s)
             for consumer in self.consumers:
-                claimed = await self.retry.run("XAUTOCLAIM", lambda: consumer.claim_idle(int(cfg.claim_idle_s * 1000)))
+                held = {entry_id for shard, entry_id in self.in_flight if shard == consumer.shard}
+                claimed = await self.retry.run("XPENDING/XCLAIM",
+                                               lambda: consumer.claim_idle(int(cfg.claim_idle_s * 1000), held))
                 if claimed:
-                    log.info("reclaimed %d entries idle over %.0fs on %s", len(claimed), cfg.claim_idle_s, consumer.stream)
-                await self._handle(consumer, claimed, recovered=True)
+                    log.info("claimed %d entries idle over %gs on %s", len(claimed), cfg.claim_idle_s, consumer.stream)
+                await self._handle(consumer, claimed)
                 gone = await self.retry.run("XINFO CONSUMERS",
                                             lambda: consumer.remove_gone_consumers(int(cfg.consumer_gone_s * 1000)))
                 for name in gone:
                     log.info("removed consumer %s of %s (gone)", name, consumer.stream)
-            for member in await self.retry.run("read members", lambda: self.members.members(cfg.dead_after_s)):
-                if not member["alive"] and member["id"] not in self.reported_dead:
-                    self.reported_dead.add(member["id"])
-                    log.warning("actor %s is dead: no heartbeat for %.0fs (host %s, version %s)", member["id"],
-                                cfg.dead_after_s, member.get("host"), member.get("version"))
-                elif member["alive"]:
-                    self.reported_dead.discard(member["id"])
+            await self._watch_members()
+
+    async def _watch_members(self) -> None:
+        """Report actors that went silent; forget those silent for longer than consumer_gone_s."""
+        cfg = self.cfg
+        for member in await self.retry.run("read members", lambda: self.members.members(cfg.dead_after_s)):
+            if member["alive"]:
+                self.reported_dead.discard(member["id"])
+            elif member["silent_s"] > cfg.consumer_gone_s:
+                await self.retry.run("forget member", lambda: self.members.leave(member["id"]))
+                self.reported_dead.discard(member["id"])
+            elif member["id"] not in self.reported_dead:
+                self.reported_dead.add(member["id"])
+                log.warning("actor %s is dead: no heartbeat for %.0fs (host %s, version %s)", member["id"],
+                            member["silent_s"], member.get("host"), member.get("version"))

@@ -1,7 +1,12 @@
-"""Checkpoints: model, optimizer, step, weight version and the ids of every group trained
-on, written atomically (temporary file, fsync, rename). Groups are acknowledged only after
-the checkpoint that holds them, so a restarted learner neither loses pending groups nor
-trains twice on acknowledged ones."""
+"""Checkpoints: model, optimizer, step, weight version and the ids of the newest groups
+trained on, written atomically (temporary file, fsync, rename). Groups are acknowledged
+only after the checkpoint that holds them, so a restarted learner neither loses pending
+groups nor trains twice on acknowledged ones.
+
+The ids are a bounded window (`learner.dedup_window`): a group can come again only while
+an entry of it is still in a stream (pending, or a copy that a retried XADD wrote), and
+the window covers far more than the streams can hold, so memory and checkpoints stay flat
+over runs of days."""
 
 from __future__ import annotations
 
@@ -9,7 +14,9 @@ import dataclasses
 import logging
 import os
 import re
+from collections import deque
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
@@ -21,7 +28,36 @@ _NAME = re.compile(r"^step-(\d+)\.pt$")
 class LearnerState:
     step: int = 0
     version: int = 0
+    groups_trained: int = 0
     trained_ids: list[str] = dataclasses.field(default_factory=list)
+    """The newest group ids trained on, oldest first (at most the dedup window)."""
+
+
+class RecentIds:
+    """The newest `maxlen` ids, with O(1) membership."""
+
+    def __init__(self, maxlen: int, ids: Iterable[str] = ()):
+        self._order: deque[str] = deque(maxlen=maxlen)
+        self._set: set[str] = set()
+        self.add(ids)
+
+    def add(self, ids: Iterable[str]) -> None:
+        for gid in ids:
+            if gid in self._set:
+                continue
+            if len(self._order) == self._order.maxlen:
+                self._set.discard(self._order[0])
+            self._order.append(gid)
+            self._set.add(gid)
+
+    def __contains__(self, gid: str) -> bool:
+        return gid in self._set
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def to_list(self) -> list[str]:
+        return list(self._order)
 
 
 def save_checkpoint(directory: str | Path, state: LearnerState, model: torch.nn.Module,
@@ -53,7 +89,7 @@ def load_latest(directory: str | Path, model: torch.nn.Module, optimizer: torch.
     data = torch.load(found[-1], map_location="cpu", weights_only=True)
     model.load_state_dict(data["model"])
     optimizer.load_state_dict(data["optimizer"])
-    state = LearnerState(**data["state"])
+    state = LearnerState(**{"groups_trained": len(data["state"]["trained_ids"]), **data["state"]})
     log.info("resumed from %s: step %d, version %d, %d groups trained", found[-1], state.step, state.version,
-             len(state.trained_ids))
+             state.groups_trained)
     return state

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Iterator
 
 import torch
@@ -12,6 +13,8 @@ from common.timing import Timer
 from learner.algorithms import LossConfig, masked_mean, policy_loss, token_entropy, token_logprobs
 from learner.batch import Batch
 
+log = logging.getLogger(__name__)
+
 
 class Trainer:
     def __init__(self, model: torch.nn.Module, cfg: LearnerConfig):
@@ -20,6 +23,7 @@ class Trainer:
         self.loss_cfg = LossConfig(cfg.clip_eps_low, cfg.clip_eps_high, cfg.behav_weight_cap, cfg.behav_reject,
                                    cfg.dual_clip)
         self.timer = Timer()
+        self.skipped_nonfinite = 0  # optimizer steps skipped for a non-finite loss or gradient
 
     def _logits(self, batch: Batch) -> torch.Tensor:
         return self.model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits  # (N, T, V)
@@ -45,8 +49,17 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        with self.timer("optimizer"):
-            self.optimizer.step()
+        # Bad numbers never reach the weights: a non-finite loss or gradient skips the update.
+        finite = bool(torch.isfinite(loss.detach()) and torch.isfinite(grad_norm))
+        if finite:
+            with self.timer("optimizer"):
+                self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+            self.skipped_nonfinite += 1
+            log.warning("non-finite loss (%s) or gradient norm (%s): optimizer step skipped (%d so far)",
+                        float(loss.detach()), float(grad_norm), self.skipped_nonfinite)
+        metrics["learner/skipped_nonfinite"] = float(self.skipped_nonfinite)
         metrics["learner/loss/policy"] = float(pg_loss.detach())
         metrics["learner/entropy"] = float(mean_entropy.detach())
         metrics["learner/grad_norm"] = float(grad_norm)

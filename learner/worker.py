@@ -1,9 +1,13 @@
 """The learner process shell: signals, broker reads (through the bridge thread), weight
 publication, checkpoints, acknowledgements and metrics around the pure training step.
 
-Exactly-once training on at-least-once delivery: every group id trained on is recorded in
-the checkpoint, groups are acknowledged only after the checkpoint that holds them, and a
-group whose id was already trained on is acknowledged and skipped.
+Exactly-once training on at-least-once delivery: the newest group ids trained on are
+recorded in the checkpoint, groups are acknowledged only after the checkpoint that holds
+them, and a group whose id was already trained on is acknowledged and skipped.
+
+On SIGTERM or SIGINT the learner finishes the step it is in, commits what it trained on
+(checkpoint, then acknowledgements) and exits with 128 + the signal's number; it exits 0
+only when it reached `learner.steps`, so a supervisor can tell "done" from "stopped".
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from broker.admission import floor_started
+from broker.admission import floor_accepted
 from broker.weights import WeightStore
 from common.config import Config
 from common.messages import RolloutGroup
@@ -26,7 +30,7 @@ from common.metrics import JsonlSink
 from common.models import load_causal_lm
 from learner.batch import collate
 from learner.bridge import BrokerBridge, Delivery
-from learner.checkpoint import LearnerState, load_latest, save_checkpoint
+from learner.checkpoint import LearnerState, RecentIds, load_latest, save_checkpoint
 from learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -39,16 +43,20 @@ class Learner:
         if not cfg.redis.url:
             raise SystemExit("error: redis.url is unset: pass --set redis.url=redis://HOST:PORT/0")
         self.cfg = cfg
-        self.stopping = False
+        self.stopped_by: int | None = None  # the signal that asked the learner to stop
         self.state = LearnerState()
-        self.seen: set[str] = set()
+        self.seen = RecentIds(cfg.learner.dedup_window)  # every group trained on, committed or not
         self.uncommitted: list[Delivery] = []  # trained on, not yet in a checkpoint
         self.counts = {"duplicates": 0, "stale": 0}
         self.checkpoint_dir = Path(cfg.run.run_dir) / "checkpoints"
 
     def _on_signal(self, signum, frame) -> None:
-        log.info("signal %d: stopping after this step", signum)
-        self.stopping = True
+        log.info("signal %d: stopping after this step, committing what was trained on", signum)
+        self.stopped_by = signum
+
+    @property
+    def stopping(self) -> bool:
+        return self.stopped_by is not None
 
     def _next_groups(self, bridge: BrokerBridge) -> list[Delivery]:
         """B usable groups; duplicates are acknowledged and stale ones dead-lettered."""
@@ -80,20 +88,25 @@ class Learner:
         version, step = self.state.version, self.state.step
         keys = bridge.keys
 
+        trained = self.state.groups_trained
+
         async def publish():
             await store.publish(version, step, blob)
-            await bridge.client.set(keys.learner_version, version)
-            await bridge.client.hset(keys.learner_state, mapping={"step": step, "version": version, "time": time.time()})
+            await bridge.client.hset(keys.learner_state, mapping={"step": step, "version": version,
+                                                                  "groups_trained": trained, "time": time.time()})
+            await floor_accepted(bridge.client, keys, trained)
 
         bridge.call(publish, "publish weights")
 
     def _commit(self, bridge: BrokerBridge, trainer: Trainer) -> None:
         """Checkpoint, then acknowledge every group the checkpoint holds."""
+        self.state.trained_ids = self.seen.to_list()
         save_checkpoint(self.checkpoint_dir, self.state, trainer.model, trainer.optimizer, self.cfg.learner.keep_checkpoints)
         bridge.ack(self.uncommitted)
         self.uncommitted = []
 
-    def run(self) -> None:
+    def run(self) -> int:
+        """Train to learner.steps (exit code 0) or until a signal (128 + its number)."""
         cfg, lcfg = self.cfg, self.cfg.learner
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
@@ -106,14 +119,12 @@ class Learner:
         latest = bridge.call(bridge.store.latest, "read the weight version")
         if restored is not None:
             self.state = restored
-            self.seen = set(restored.trained_ids)
+            self.seen.add(restored.trained_ids)
         if latest is None or restored is None or latest["version"] != self.state.version:
             # First start, or weights newer than the checkpoint were published before a crash:
             # publish what this learner holds under a fresh version number.
             self.state.version = max(self.state.version, latest["version"] + 1 if latest else 0)
             self._publish(bridge, trainer)
-        bridge.call(lambda: floor_started(bridge.client, bridge.keys, self.state.version, lcfg.groups_per_step),
-                    "admission counter")
         if self.state.step >= lcfg.steps:
             log.warning("the checkpoint in %s is at step %d, learner.steps is %d: nothing to do (use a new run dir "
                         "or raise --steps to continue)", self.checkpoint_dir, self.state.step, lcfg.steps)
@@ -126,10 +137,10 @@ class Learner:
                 batch = self._next_groups(bridge)
                 if self.stopping:
                     break
+                self.state.groups_trained += len(batch)
                 record = self._step(trainer, bridge, [d.group for d in batch])
                 self.uncommitted += batch
-                self.state.trained_ids += [d.group.group_id for d in batch]
-                self.seen.update(d.group.group_id for d in batch)
+                self.seen.add(d.group.group_id for d in batch)
                 if self.state.step % lcfg.checkpoint_every == 0 or self.state.step == lcfg.steps:
                     self._commit(bridge, trainer)
                 step_times.append(time.monotonic())
@@ -141,10 +152,17 @@ class Learner:
                 log.info("step %d reward %.3f groups/s %.2f tokens/s %.0f version %d staleness %.2f",
                          self.state.step, record["reward/mean"], record["perf/groups_per_s"],
                          record["perf/tokens_per_s"], self.state.version, record["staleness/mean"])
+            if self.uncommitted:  # stopped between checkpoints: clean stops lose nothing
+                self._commit(bridge, trainer)
         finally:
             sink.close()
             bridge.stop()
+        if self.stopping and self.state.step < lcfg.steps:
+            log.info("stopped by signal %d at step %d, version %d (committed)", self.stopped_by, self.state.step,
+                     self.state.version)
+            return 128 + self.stopped_by
         log.info("learner done at step %d, version %d", self.state.step, self.state.version)
+        return 0
 
     def _step(self, trainer: Trainer, bridge: BrokerBridge, groups: list[RolloutGroup]) -> dict:
         lcfg = self.cfg.learner
@@ -171,6 +189,7 @@ class Learner:
             "staleness/mean": float(staleness.mean()),
             "staleness/max": int(staleness.max()),
             "staleness/hist": {str(k): int(v) for k, v in zip(*np.unique(staleness, return_counts=True))},
+            "learner/groups_trained": self.state.groups_trained,
             "broker/duplicates": self.counts["duplicates"],
             "broker/stale": self.counts["stale"],
             "broker/dead_letters": dict(bridge.dead_letters),
@@ -178,6 +197,6 @@ class Learner:
         }
 
 
-def main(cfg: Config) -> None:
+def main(cfg: Config) -> int:
     os.makedirs(cfg.run.run_dir, exist_ok=True)
-    Learner(cfg).run()
+    return Learner(cfg).run()

@@ -64,8 +64,7 @@ eta = {ETA}
         async def publish(version: int):
             client = connect(redis_server.url)
             blob = (Path(tiny_model) / "model.safetensors").read_bytes()
-            await WeightStore(client, keys).publish(version, version, blob)
-            await client.set(keys.learner_version, version)
+            await WeightStore(client, keys).publish(version, version, blob)  # version v at step v
             await client.aclose()
 
         try:

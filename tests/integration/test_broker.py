@@ -4,11 +4,11 @@ import asyncio
 
 import pytest
 
-from broker.admission import Admission, floor_started
 from broker.connection import connect
 from broker.keys import Keys
 from broker.membership import Membership
 from broker.retry import RetryPolicy
+from broker.status import run_status
 from broker.streams import RolloutConsumer, RolloutProducer, stream_info
 from broker.weights import WeightStore, WeightVersionError
 
@@ -51,7 +51,8 @@ def test_delivery_then_ack_deletes(redis_server_url, run_name):
         async with Setup(redis_server_url, run_name) as s:
             ids = await s.push(b"group-0", b"group-1", b"group-2")
             got = await s.consumer.read(10, block_ms=100)
-            assert [e for e, _ in got] == ids and [d for _, d in got] == [b"group-0", b"group-1", b"group-2"]
+            assert [e.id for e in got] == ids and [e.data for e in got] == [b"group-0", b"group-1", b"group-2"]
+            assert [e.deliveries for e in got] == [1, 1, 1]
             assert await s.consumer.read(10, block_ms=100) == []  # nothing new
             await s.consumer.ack(ids[:2])
             assert await s.client.xlen(s.keys.rollouts()) == 1  # acked entries are deleted, the unacked stays
@@ -60,17 +61,42 @@ def test_delivery_then_ack_deletes(redis_server_url, run_name):
     run(scenario())
 
 
-def test_restarted_consumer_rereads_its_pending_entries_first(redis_server_url, run_name):
+def test_restarted_consumer_reads_its_pending_entries_once_then_new_ones(redis_server_url, run_name):
+    """Five pending entries read two at a time: a pending count that is not a multiple of
+    the read count must not trap the reader in its pending list."""
     async def scenario():
         async with Setup(redis_server_url, run_name) as s:
-            first = await s.push(b"a", b"b")
-            assert len(await s.consumer.read(10, block_ms=100)) == 2  # delivered, then the consumer "dies"
-            later = await s.push(b"c")
+            first = await s.push(*[b"p%d" % i for i in range(5)])
+            assert len(await s.consumer.read(10, block_ms=100)) == 5  # delivered, then the consumer "dies"
+            later = await s.push(b"new")
             restarted = RolloutConsumer(s.client, s.keys, "c1")
-            assert [e for e, _ in await restarted.read(10, block_ms=100)] == first
-            assert await restarted.delivery_count(first[0]) == 2
-            await restarted.ack(first)
-            assert [e for e, _ in await restarted.read(10, block_ms=100)] == later
+            reads = [await restarted.read(2, block_ms=100) for _ in range(4)]
+            assert [[e.id for e in r] for r in reads] == [first[:2], first[2:4], first[4:], later]
+            assert [e.deliveries for r in reads for e in r] == [2, 2, 2, 2, 2, 1]  # one re-read each
+            assert await restarted.read(2, block_ms=100) == []  # nothing is read twice
+            restarted.rewind()  # nothing acknowledged yet: all six are pending again from the start
+            assert [e.id for e in await restarted.read(10, block_ms=100)] == first + later
+    run(scenario())
+
+
+def test_janitor_leaves_entries_the_consumer_holds_and_claims_ones_it_never_saw(redis_server_url, run_name):
+    """Entries the learner holds (waiting for a checkpoint) are never claimed, however long
+    they wait: claiming would bump their delivery count towards the dead letters. Own
+    entries it does not hold (a read whose reply was lost) are claimed once they idle."""
+    async def scenario():
+        async with Setup(redis_server_url, run_name) as s:
+            ids = await s.push(b"a", b"b", b"c")
+            await s.consumer.read(10, block_ms=100)  # the cursor ends; all three delivered
+            assert await s.consumer.read(10, block_ms=100) == []
+            await asyncio.sleep(0.3)
+            for _ in range(3):
+                assert await s.consumer.claim_idle(min_idle_ms=100, held=set(ids)) == []
+            [lost] = await s.consumer.claim_idle(min_idle_ms=100, held={ids[0], ids[2]})
+            assert lost == (ids[1], b"b", 2)
+            rows = await s.client.xpending_range(s.keys.rollouts(), s.keys.consumer_group, "-", "+", 10)
+            assert [r["times_delivered"] for r in rows] == [1, 2, 1]
+            fresh = RolloutConsumer(s.client, s.keys, "c1")  # a restarted consumer, cursor still running
+            assert await fresh.claim_idle(min_idle_ms=100) == []
     run(scenario())
 
 
@@ -81,7 +107,7 @@ def test_pending_entry_whose_payload_was_deleted_comes_back_empty(redis_server_u
             await s.consumer.read(10, block_ms=100)
             await s.client.xdel(s.keys.rollouts(), entry)
             restarted = RolloutConsumer(s.client, s.keys, "c1")
-            assert await restarted.read(10, block_ms=100) == [(entry, None)]
+            assert [(e.id, e.data) for e in await restarted.read(10, block_ms=100)] == [(entry, None)]
     run(scenario())
 
 
@@ -94,16 +120,13 @@ def test_janitor_claims_idle_entries_of_a_dead_consumer_in_both_reply_shapes(red
             await s.client.xdel(s.keys.rollouts(), ids[1])  # one payload vanishes while pending
             await asyncio.sleep(0.2)
             janitor = RolloutConsumer(s.client, s.keys, "janitor")
-            janitor.reading_pending = False
             claimed = await janitor.claim_idle(min_idle_ms=100)
-            assert claimed == [(ids[0], b"a"), (ids[2], b"c")]
-            # The deleted entry: Redis 7 drops it from the pending list; 6.2 keeps it, and the
-            # janitor's next read of its own pending entries returns it with no payload.
-            leftovers = [e for e in await janitor.read(10, block_ms=100) if e[1] is None]
-            assert leftovers in ([], [(ids[1], None)])
-            await janitor.ack([ids[0], ids[2]] + [e for e, _ in leftovers])
+            assert claimed == [(ids[0], b"a", 2), (ids[2], b"c", 2)]  # claiming is a delivery
+            # The deleted entry is acknowledged on the spot (6.2 claims it as (None, None),
+            # 7.x drops it from the pending list): nothing is left pending but the claimed two.
+            assert (await stream_info(s.client, s.keys, 0))["pending"] == 2
+            await janitor.ack([ids[0], ids[2]])
             assert (await stream_info(s.client, s.keys, 0))["pending"] == 0
-            assert await janitor.delivery_count(ids[0]) == 0  # acknowledged: no longer pending
             assert await janitor.remove_gone_consumers(idle_ms=100) == ["dead"]  # idle, holding nothing
             names = {c["name"] for c in await s.client.xinfo_consumers(s.keys.rollouts(), s.keys.consumer_group)}
             assert b"dead" not in names and b"janitor" in names
@@ -114,12 +137,27 @@ def test_dead_letter_keeps_payload_and_reason(redis_server_url, run_name):
     async def scenario():
         async with Setup(redis_server_url, run_name) as s:
             [entry] = await s.push(b"\xff garbage")
-            [(got, data)] = await s.consumer.read(10, block_ms=100)
+            [(got, data, _)] = await s.consumer.read(10, block_ms=100)
             await s.consumer.dead_letter(got, data, "undecodable", "not a msgpack message")
             [(_, fields)] = await s.client.xrange(s.keys.dead_letters)
             assert fields[b"reason"] == b"undecodable" and fields[b"data"] == b"\xff garbage"
             assert fields[b"entry"] == entry.encode() and fields[b"stream"] == s.keys.rollouts().encode()
             assert await s.client.xlen(s.keys.rollouts()) == 0
+            assert await s.client.hget(s.keys.counts, "dead:undecodable") == b"1"
+    run(scenario())
+
+
+def test_dead_letter_stream_is_capped_and_its_counts_kept_whole(redis_server_url, run_name):
+    async def scenario():
+        async with Setup(redis_server_url, run_name, max_len=1000) as s:
+            ids = await s.push(*[b"x%d" % i for i in range(300)])
+            await s.consumer.read(300, block_ms=100)
+            for i, entry_id in enumerate(ids):
+                await s.consumer.dead_letter(entry_id, b"x", "invalid" if i % 3 else "stale", max_len=20)
+            # MAXLEN ~ trims whole radix-tree nodes (100 entries): about 20, never 300.
+            assert 20 <= await s.client.xlen(s.keys.dead_letters) <= 120
+            status = await run_status(s.client, s.keys, dead_after_s=10)
+            assert status["groups"]["dead_lettered"] == {"invalid": 200, "stale": 100}
     run(scenario())
 
 
@@ -131,32 +169,9 @@ def test_producer_waits_while_the_stream_is_full(redis_server_url, run_name):
             await asyncio.sleep(0.3)
             assert s.producer.buffered == 0 and await s.client.xlen(s.keys.rollouts()) == 2  # waits, trims nothing
             got = await s.consumer.read(2, block_ms=100)
-            await s.consumer.ack([e for e, _ in got])
+            await s.consumer.ack([e.id for e in got])
             await asyncio.wait_for(s.producer.flush(), 5)
-            assert [d for _, d in await s.consumer.read(10, block_ms=100)] == [b"3"]
-    run(scenario())
-
-
-def test_admission_tickets_bound_staleness(redis_server_url, run_name):
-    async def scenario():
-        client = connect(redis_server_url)
-        keys = Keys(run_name)
-        admission = Admission(client, keys, groups_per_step=2, eta=1)
-        granted = [await admission.try_acquire() for _ in range(6)]
-        assert granted == [True] * 4 + [False] * 2  # (V + eta + 1) * B = (0 + 1 + 1) * 2
-        await client.set(keys.learner_version, 1)
-        assert [await admission.try_acquire() for _ in range(3)] == [True, True, False]
-        # Many actors at once never overshoot the bound: the check and the increment are atomic.
-        await client.set(keys.learner_version, 5)
-        results = await asyncio.gather(*[Admission(client, keys, 2, 1).try_acquire() for _ in range(40)])
-        assert sum(results) == (5 + 1 + 1) * 2 - 6
-        # A learner resuming at version 9 against a Redis that lost the counter: no run-ahead.
-        await client.delete(keys.tickets_started)
-        await client.set(keys.learner_version, 9)
-        assert await floor_started(client, keys, version=9, groups_per_step=2) == 18
-        assert await floor_started(client, keys, version=3, groups_per_step=2) == 18  # never lowered
-        assert [await admission.try_acquire() for _ in range(5)] == [True] * 4 + [False]  # (9 + 1 + 1) * 2 - 18
-        await client.aclose()
+            assert [e.data for e in await s.consumer.read(10, block_ms=100)] == [b"3"]
     run(scenario())
 
 
@@ -205,7 +220,8 @@ def test_weight_store_publishes_verifies_and_keeps_the_last_k(redis_server_url, 
 def test_every_key_of_a_run_shares_its_hash_tag():
     keys = Keys("r1")
     for key in (keys.rollouts(), keys.dead_letters, keys.weights_latest, keys.weights_channel, keys.weights_blob(3),
-                keys.learner_version, keys.tickets_started, keys.members, keys.learner_state):
+                keys.tickets_held, keys.tickets_lost, keys.tickets_accepted, keys.counts, keys.members,
+                keys.learner_state):
         assert "{r1}" in key
     sharded = Keys("r1", shards=3)
     assert sharded.streams == ["omrl:{r1:q0}:rollouts", "omrl:{r1:q1}:rollouts", "omrl:{r1:q2}:rollouts"]

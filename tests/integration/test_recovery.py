@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from redis.exceptions import ConnectionError
 
+from broker.admission import Admission
 from broker.connection import connect
 from broker.embedded import EmbeddedRedis, find_redis_server, free_port
 from broker.keys import Keys
@@ -76,7 +77,7 @@ def test_entry_delivered_too_often_goes_to_the_dead_letters(redis_server_url, ru
         await consumer.ensure_group()
         await client.xadd(keys.rollouts(), {b"g": encode_group(poison)})
         for _ in range(4):  # a consumer that crashes on it every time
-            consumer.reading_pending = True
+            consumer.rewind()
             assert len(await consumer.read(10, block_ms=100)) == 1
         await client.xadd(keys.rollouts(), {b"g": encode_group(good)})
         await client.aclose()
@@ -112,9 +113,14 @@ def test_omrl_status_reports_streams_dead_letters_actors_and_learner(redis_serve
         client = connect(redis_server_url)
         consumer = RolloutConsumer(client, keys, "learner-0")
         await consumer.ensure_group()
+        admission = Admission(client, keys, groups_per_step=4, eta=1)
+        for i in range(5):
+            assert await admission.try_acquire(f"actor-a|1|{i}")
         for i in range(3):
             await client.xadd(keys.rollouts(), {b"g": b"x%d" % i})
-        [(e, d)] = await consumer.read(1, block_ms=100)
+            await admission.commit(f"actor-a|1|{i}")
+        await admission.release("actor-a|1|3", "env_error")
+        [(e, d, _)] = await consumer.read(1, block_ms=100)
         await consumer.dead_letter(e, d, "undecodable", "test")
         await consumer.read(1, block_ms=100)  # one delivered, not acknowledged
         await WeightStore(client, keys).publish(7, 14, b"w")
@@ -133,8 +139,11 @@ def test_omrl_status_reports_streams_dead_letters_actors_and_learner(redis_serve
     assert "learner: step 14, version 7" in text
     assert f"stream omrl:{{{run_name}}}:rollouts: length 2, pending 1, lag 1" in text
     assert "dead letters: undecodable 1" in text
+    assert ("groups: 5 started = 3 produced + 1 failed (env_error 1) + 1 running; produced = 0 trained + "
+            "1 dead-lettered (undecodable 1) + 2 waiting in the streams\n") in text
     assert "actors: 1 live, 1 dead" in text and "actor-b" in text and "DEAD" in text
     js = subprocess.run([sys.executable, "-m", "deploy.cli", "status", "--redis-url", redis_server_url,
                          "--run", run_name, "--json"], capture_output=True, text=True, timeout=60)
     status = json.loads(js.stdout)
-    assert status["weights"]["version"] == 7 and status["dead_letters"] == {"undecodable": 1}
+    assert status["weights"]["version"] == 7 and status["groups"]["dead_lettered"] == {"undecodable": 1}
+    assert status["groups"]["unaccounted"] == 0

@@ -91,3 +91,17 @@ def test_per_token_arrays_must_agree():
         s["loss_mask"] = ["|u1", 7, s["loss_mask"][2][:7]]
     with pytest.raises(CodecError, match="disagree in length"):
         decode_group(_tamper(shorten_mask))
+
+
+@pytest.mark.parametrize("field, value", [("logprobs", np.nan), ("logprobs", -np.inf), ("reward", np.nan),
+                                          ("turn_rewards", np.inf)])
+def test_non_finite_numbers_are_invalid(field, value):
+    group = make_group()
+    sample = group.samples[1]
+    if field == "reward":
+        sample.reward = value
+    else:
+        getattr(sample, field)[-1] = value
+    with pytest.raises(CodecError, match=f"samples\\[1\\].{field}: not finite") as exc:
+        decode_group(encode_group(group))
+    assert exc.value.reason == "invalid"
