@@ -7,7 +7,7 @@ import dataclasses
 import itertools
 import logging
 import os
-from typing import Protocol
+from typing import Any, Protocol
 
 from common.config import ActorConfig, ModelConfig
 
@@ -22,6 +22,8 @@ class Generation:
 
 
 class Engine(Protocol):
+    tokenizer: Any
+
     async def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation: ...
 
     async def load_weights(self, path: str) -> None: ...

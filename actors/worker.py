@@ -26,7 +26,7 @@ from collections import Counter
 
 import aiohttp
 
-from actors.engine import VLLMEngine
+from actors.engine import Engine, VLLMEngine
 from actors.episode import run_episode
 from actors.weights import WeightGate, apply_newest, receive_weights
 from broker.admission import Admission
@@ -52,12 +52,14 @@ class GroupFailed(Exception):
 
 
 class Actor:
-    def __init__(self, cfg: Config, index: int = 0):
+    """`engine` replaces the vLLM engine that `run` builds (tests pass a scripted one)."""
+
+    def __init__(self, cfg: Config, index: int = 0, engine: Engine | None = None):
         if not cfg.model.path:
             raise SystemExit("error: model.path is unset: pass --set model.path=DIR (see `omrl init-model`)")
         if not cfg.redis.url:
             raise SystemExit("error: redis.url is unset: pass --set redis.url=redis://HOST:PORT/0")
-        self.cfg, self.index = cfg, index
+        self.cfg, self.index, self.engine = cfg, index, engine
         # The name outlives the process: a restarted actor takes its predecessor's place
         # (membership, and the tickets it left behind come back at once).
         self.name = f"{socket.gethostname()}-{index}"
@@ -75,9 +77,6 @@ class Actor:
 
     async def run(self) -> None:
         cfg = self.cfg
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, self.stop.set)
         keys = Keys(cfg.redis.run, cfg.redis.shards)
         client = connect(cfg.redis)
         self.retry = RetryPolicy(attempts=cfg.redis.retry_attempts)
@@ -91,8 +90,12 @@ class Actor:
         self.producer = RolloutProducer(client, keys, cfg.redis.max_stream_len, cfg.redis.producer_buffer, self.retry,
                                         admission=self.admission)
         self.members = Membership(client, keys)
-        self.engine = VLLMEngine(cfg.model, cfg.actor, cfg.model.path, seed=cfg.actor.seed + self.index)
+        if self.engine is None:
+            self.engine = VLLMEngine(cfg.model, cfg.actor, cfg.model.path, seed=cfg.actor.seed + self.index)
         self.tokenizer = self.engine.tokenizer
+        # Until here a signal ends the process at once (it holds nothing); from here it drains.
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            asyncio.get_running_loop().add_signal_handler(sig, self.stop.set)
         store = WeightStore(client, keys)
         self.gate = WeightGate(version=0)
         try:

@@ -151,7 +151,7 @@ class BrokerBridge:
             try:
                 entries = await self.retry.run("XREADGROUP", lambda: consumer.read(self.read_count, block_ms=500))
             except ResponseError as exc:
-                if "NOGROUP" not in str(exc):
+                if not _stream_gone(exc):
                     raise
                 log.warning("consumer group of %s is gone (Redis lost its data?): creating it again", consumer.stream)
                 await consumer.ensure_group()
@@ -190,17 +190,24 @@ class BrokerBridge:
         while not self._stop.is_set():
             await asyncio.sleep(cfg.janitor_every_s)
             for consumer in self.consumers:
-                held = {entry_id for shard, entry_id in self.in_flight if shard == consumer.shard}
-                claimed = await self.retry.run("XPENDING/XCLAIM",
-                                               lambda: consumer.claim_idle(int(cfg.claim_idle_s * 1000), held))
-                if claimed:
-                    log.info("claimed %d entries idle over %gs on %s", len(claimed), cfg.claim_idle_s, consumer.stream)
-                await self._handle(consumer, claimed)
-                gone = await self.retry.run("XINFO CONSUMERS",
-                                            lambda: consumer.remove_gone_consumers(int(cfg.consumer_gone_s * 1000)))
-                for name in gone:
-                    log.info("removed consumer %s of %s (gone)", name, consumer.stream)
+                try:
+                    await self._tidy(consumer)
+                except ResponseError as exc:
+                    if not _stream_gone(exc):
+                        raise  # else Redis lost its data: the reader creates the group again
             await self._watch_members()
+
+    async def _tidy(self, consumer: RolloutConsumer) -> None:
+        cfg = self.cfg
+        held = {entry_id for shard, entry_id in self.in_flight if shard == consumer.shard}
+        claimed = await self.retry.run("XPENDING/XCLAIM", lambda: consumer.claim_idle(int(cfg.claim_idle_s * 1000), held))
+        if claimed:
+            log.info("claimed %d entries idle over %gs on %s", len(claimed), cfg.claim_idle_s, consumer.stream)
+        await self._handle(consumer, claimed)
+        gone = await self.retry.run("XINFO CONSUMERS",
+                                    lambda: consumer.remove_gone_consumers(int(cfg.consumer_gone_s * 1000)))
+        for name in gone:
+            log.info("removed consumer %s of %s (gone)", name, consumer.stream)
 
     async def _watch_members(self) -> None:
         """Report actors that went silent; forget those silent for longer than consumer_gone_s."""
@@ -215,3 +222,9 @@ class BrokerBridge:
                 self.reported_dead.add(member["id"])
                 log.warning("actor %s is dead: no heartbeat for %.0fs (host %s, version %s)", member["id"],
                             member["silent_s"], member.get("host"), member.get("version"))
+
+
+def _stream_gone(exc: ResponseError) -> bool:
+    """The stream or its consumer group no longer exists (a Redis that lost its data):
+    NOGROUP, or UNBLOCKED for a read that was blocked on the deleted key (Redis 7)."""
+    return str(exc).startswith(("NOGROUP", "UNBLOCKED"))

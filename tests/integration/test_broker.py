@@ -225,3 +225,19 @@ def test_every_key_of_a_run_shares_its_hash_tag():
         assert "{r1}" in key
     sharded = Keys("r1", shards=3)
     assert sharded.streams == ["omrl:{r1:q0}:rollouts", "omrl:{r1:q1}:rollouts", "omrl:{r1:q2}:rollouts"]
+
+
+def test_a_stopping_producer_writes_its_buffer_past_the_length_bound(redis_server_url, run_name):
+    """Clean stops lose nothing: an actor that stops while the learner is gone (the stream
+    full) still writes the groups it finished; the bound is back-pressure, not a cap."""
+    async def scenario():
+        async with Setup(redis_server_url, run_name, max_len=2) as s:
+            await s.push(b"1", b"2")
+            for p in (b"3", b"4"):
+                await s.producer.push(p)
+            await asyncio.sleep(0.2)
+            assert await s.client.xlen(s.keys.rollouts()) == 2  # waiting on the bound
+            s.producer.ignore_bound = True
+            await asyncio.wait_for(s.producer.flush(), 5)
+            assert await s.client.xlen(s.keys.rollouts()) == 4
+    run(scenario())

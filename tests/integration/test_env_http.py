@@ -4,9 +4,10 @@ import asyncio
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from broker.embedded import free_port
-from envs.client import EnvClient, EnvError
+from envs.client import EnvClient, EnvError, EnvTimeout, EnvUnreachable
 from envs.server import EnvServer, serve
 
 
@@ -73,3 +74,90 @@ def test_abandoned_envs_are_freed():
         await asyncio.sleep(0.3)
         assert server.stats["reaped"] == 1 and not server.envs
     with_server(scenario, idle_ttl_s=0.1)
+
+
+def with_scripted_server(scenario, handlers):
+    """A bare aiohttp server whose handlers misbehave on purpose; counts requests by path."""
+    async def main():
+        port = free_port()
+        seen: dict[str, int] = {}
+
+        def counted(handler):
+            async def wrapped(request):
+                seen[request.path] = seen.get(request.path, 0) + 1
+                return await handler(request, seen[request.path])
+            return wrapped
+
+        app = web.Application()
+        for path, handler in handlers.items():
+            app.router.add_route("*", path, counted(handler))
+        runner = web.AppRunner(app)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                await scenario(EnvClient(f"http://127.0.0.1:{port}", session, timeout_s=0.5), seen)
+        finally:
+            await runner.cleanup()
+    asyncio.run(main())
+
+
+async def slow(request, n):
+    await asyncio.sleep(2)
+    return web.json_response({})
+
+
+async def slow_once(request, n):
+    if n == 1:
+        await asyncio.sleep(2)
+    return web.json_response({"observation": "Say a", "reward": 0, "done": False, "id": 1})
+
+
+async def answer_lost(request, n):
+    request.transport.close()  # the request arrived; its answer never leaves
+    return web.json_response({})
+
+
+def test_a_step_or_create_whose_answer_was_lost_is_not_sent_again():
+    async def scenario(client, seen):
+        with pytest.raises(EnvTimeout):
+            await client.step(1, "a")
+        with pytest.raises(EnvUnreachable) as exc:
+            await client.create()
+        assert exc.value.reason == "env_unreachable"
+        assert seen == {"/step": 1, "/create": 1}  # neither was retried: the server may have acted
+        assert await client.reset(1, 0) == "Say a"  # idempotent: retried after the timeout
+        assert seen["/reset"] == 2
+    with_scripted_server(scenario, {"/step": slow, "/create": answer_lost, "/reset": slow_once})
+
+
+def test_a_server_that_is_down_is_retried_for_every_request_until_it_answers():
+    """Connection refused means nothing was sent: even /create is retried (5 attempts over
+    about 3 s), so a server restarting in that time costs nothing."""
+    async def main():
+        port = free_port()
+
+        async def late_server():
+            await asyncio.sleep(0.7)
+            return await serve(EnvServer("letters"), "127.0.0.1", port)
+
+        async with aiohttp.ClientSession() as session:
+            client = EnvClient(f"http://127.0.0.1:{port}", session)
+            starting = asyncio.create_task(late_server())
+            env_id = await client.create()
+            runner = await starting
+            assert isinstance(env_id, int)
+            await runner.cleanup()
+            with pytest.raises(EnvUnreachable):
+                await client.health()  # down for good: the last attempt's error is raised
+    asyncio.run(main())
+
+
+def test_answers_that_are_not_json_are_env_errors():
+    async def html(request, n):
+        return web.Response(text="<html>502 Bad Gateway</html>", status=502, content_type="text/html")
+
+    async def scenario(client, seen):
+        with pytest.raises(EnvError, match="HTTP 502: the answer is not JSON"):
+            await client.step(1, "a")
+    with_scripted_server(scenario, {"/step": html})

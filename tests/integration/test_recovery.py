@@ -147,3 +147,69 @@ def test_omrl_status_reports_streams_dead_letters_actors_and_learner(redis_serve
     status = json.loads(js.stdout)
     assert status["weights"]["version"] == 7 and status["groups"]["dead_lettered"] == {"undecodable": 1}
     assert status["groups"]["unaccounted"] == 0
+
+
+def test_janitor_reports_dead_actors_and_forgets_long_dead_ones(redis_server_url, run_name, caplog):
+    """Members are keyed by a name that outlives restarts; one silent for longer than
+    redis.consumer_gone_s is removed, so the members hash stays flat over days."""
+    keys = Keys(run_name)
+
+    async def prepare():
+        client = connect(redis_server_url)
+        for name, silent_s in (("host-0", 1), ("host-1", 60), ("host-2", 5000)):
+            await client.hset(keys.members, name, json.dumps({"id": name, "last_seen": time.time() - silent_s}))
+        await client.aclose()
+
+    async def names():
+        client = connect(redis_server_url)
+        out = sorted(k.decode() for k in await client.hkeys(keys.members))
+        await client.aclose()
+        return out
+
+    asyncio.run(prepare())
+    cfg = RedisConfig(url=redis_server_url, run=run_name, janitor_every_s=0.1, dead_after_s=15, consumer_gone_s=3600)
+    bridge = BrokerBridge(cfg, consumer="learner-0", keep_versions=2, queue_size=8, read_count=8).start()
+    try:
+        deadline = time.monotonic() + 10
+        while asyncio.run(names()) != ["host-0", "host-1"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        bridge.stop()
+    assert asyncio.run(names()) == ["host-0", "host-1"]
+    assert "actor host-1 is dead: no heartbeat for 60s" in caplog.text
+
+
+def test_bridge_survives_a_redis_that_lost_its_data(redis_server_url, run_name):
+    """A Redis restarted without persistence has no stream and no consumer group: the
+    readers and the janitor must not fail on NOGROUP; the group is created again."""
+    cfg = RedisConfig(url=redis_server_url, run=run_name, janitor_every_s=0.05, claim_idle_s=0.05)
+    keys = Keys(run_name)
+    rng = np.random.default_rng(3)
+
+    async def push(n):
+        client = connect(redis_server_url)
+        groups = [synthetic_group(rng) for _ in range(n)]
+        for g in groups:
+            await client.xadd(keys.rollouts(), {b"g": encode_group(g)})
+        await client.aclose()
+        return [g.group_id for g in groups]
+
+    async def lose_everything():
+        client = connect(redis_server_url)
+        await client.delete(*[k async for k in client.scan_iter(match=f"omrl:{{{run_name}}}*")])
+        await client.aclose()
+
+    bridge = BrokerBridge(cfg, consumer="learner-0", keep_versions=2, queue_size=8, read_count=8).start()
+    try:
+        first = asyncio.run(push(2))
+        got = [bridge.get(timeout=10) for _ in first]
+        assert [d.group.group_id for d in got] == first
+        asyncio.run(lose_everything())
+        time.sleep(0.5)  # readers and janitor meet NOGROUP several times
+        bridge.check()
+        later = asyncio.run(push(3))
+        got = [bridge.get(timeout=10) for _ in later]
+        assert [d.group.group_id for d in got if d] == later
+        bridge.check()
+    finally:
+        bridge.stop()

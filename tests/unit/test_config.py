@@ -69,3 +69,13 @@ def test_every_field_is_documented():
     for section in Config.model_fields.values():
         for name, field in section.annotation.model_fields.items():
             assert field.description, f"{section.annotation.__name__}.{name} has no docstring"
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["learner.dedup_window=10"], "learner.dedup_window must cover"),
+    (["redis.ticket_ttl_s=3", "actor.heartbeat_s=2"], "redis.ticket_ttl_s must be at least 3 x actor.heartbeat_s"),
+    (["supervisor.restart=always"], "supervisor.restart"),
+])
+def test_fault_tolerance_settings_are_checked(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides, environ={})

@@ -1,0 +1,211 @@
+"""Chaos through `omrl run`: real processes are killed one at a time, mid-run, and the run
+must still reach its step count, exit 0 and account for every group.
+
+One run (publish_every = 2, the embedded Redis with its append-only file) takes, in turn:
+SIGKILL of an actor, of the env server, of the learner and of the Redis server, then
+SIGTERM of an actor. Each fault lands a random time after a random step (the seed is
+printed), and the next one waits until the system has recovered from it. Afterwards the
+test reopens the run's Redis data and checks the books from the raw streams: every group
+started was produced, failed with a reason, or is still running; every group produced was
+trained (exactly once), dead-lettered, or is waiting in a stream.
+"""
+
+import asyncio
+import os
+import random
+import re
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
+
+from broker.connection import connect
+from broker.embedded import EmbeddedRedis, find_redis_server
+from broker.keys import Keys
+from common.messages import decode_group
+from common.metrics import read_jsonl
+from tests.e2e.test_omrl_run import processes_mentioning
+
+pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.redis]
+
+# About 1.2 steps/s on 2 cores; a restarted actor needs 60-90 s (vLLM's start) to produce again.
+STEPS, B = 260, 8
+FAILURE_REASONS = {"actor_lost", "env_unreachable", "env_error", "env_timeout", "cancelled"}
+
+
+class ChaosRun:
+    def __init__(self, run_dir: Path, seed: int):
+        self.run_dir = run_dir
+        self.rng = random.Random(seed)
+        self.out = open(run_dir.parent / "omrl.out", "w+")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir), "--steps", str(STEPS),
+             "--set", "learner.publish_every=2", "--set", "redis.embedded_aof=true"],
+            stdout=self.out, stderr=subprocess.STDOUT, text=True)
+        self.events: list[str] = []
+
+    def output(self) -> str:
+        return Path(self.out.name).read_text(errors="replace")
+
+    def steps(self) -> int:
+        path = self.run_dir / "metrics.jsonl"
+        return max((r["step"] for r in read_jsonl(path)), default=0) if path.exists() else 0
+
+    def wait(self, condition, what: str, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.proc.poll() is None, f"omrl run ended while waiting for {what}:\n{self.output()[-5000:]}"
+            assert time.monotonic() < deadline, f"timed out waiting for {what}:\n{self.output()[-5000:]}"
+            time.sleep(0.2)
+
+    def config(self) -> dict:
+        return tomllib.loads((self.run_dir / "config.toml").read_text())
+
+    def redis_port(self) -> int:
+        return int(self.config()["redis"]["url"].rsplit(":", 1)[1].split("/")[0])
+
+    def pid(self, pattern: str) -> int:
+        """The pid of the one process whose command line matches `pattern`."""
+        pids = [pid for pid in processes_mentioning("") if re.search(pattern, _cmdline(pid))]
+        assert len(pids) == 1, (pattern, [(_cmdline(p)) for p in pids])
+        return pids[0]
+
+    def fault(self, name: str, pattern: str, sig: int, after_steps: int) -> int:
+        """Wait a random 0-3 steps more, then a random fraction of a step, then signal."""
+        self.wait(lambda: self.steps() >= after_steps + self.rng.randrange(4), f"step {after_steps}")
+        time.sleep(self.rng.random() * 1.5)
+        pid = self.pid(pattern)
+        step = self.steps()
+        os.kill(pid, sig)
+        self.events.append(f"{signal.Signals(sig).name} {name} (pid {pid}) at step {step}")
+        print(self.events[-1], flush=True)
+        return step
+
+    def member(self, index: int) -> dict | None:
+        async def read():
+            client = connect(self.config()["redis"]["url"])
+            try:
+                members = {m["id"]: m for m in await _members(client, Keys(self.config()["redis"]["run"]))}
+            finally:
+                await client.aclose()
+            return next((m for name, m in members.items() if name.endswith(f"-{index}")), None)
+        try:
+            return asyncio.run(read())
+        except (OSError, RedisConnectionError):
+            return None
+
+    def actor_back(self, index: int, old_pid: int) -> bool:
+        """The successor heartbeats, on a version newer than the first, and has produced."""
+        m = self.member(index)
+        return m is not None and m["pid"] != old_pid and m["groups"] > 0 and m["version"] >= 1
+
+
+async def _members(client, keys):
+    from broker.membership import Membership
+
+    return await Membership(client, keys).members(dead_after_s=3600)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def read_books(redis_dir: Path, run: str) -> dict:
+    """Reopen the run's Redis data (its append-only file) and read the raw streams and counters."""
+    with EmbeddedRedis(binary=find_redis_server(), appendonly=True, data_dir=str(redis_dir)) as server:
+        async def read():
+            client = connect(server.url)
+            keys = Keys(run)
+            try:
+                waiting = [decode_group(f[b"g"]).group_id for _, f in await client.xrange(keys.rollouts())]
+                dead = [(f[b"reason"].decode(), f[b"data"]) for _, f in await client.xrange(keys.dead_letters)]
+                counts = {k.decode(): int(v) for k, v in (await client.hgetall(keys.counts)).items()}
+                held = await client.zcard(keys.tickets_held)
+            finally:
+                await client.aclose()
+            return {"waiting": waiting, "dead": dead, "counts": counts, "held": held}
+        return asyncio.run(read())
+
+
+@pytest.mark.timeout(1500)
+def test_every_process_can_die_and_the_run_finishes_with_every_group_accounted_for(tmp_path):
+    seed = random.randrange(10_000)
+    print(f"chaos seed {seed}")
+    run_dir = tmp_path / "run"
+    chaos = ChaosRun(run_dir, seed)
+    try:
+        chaos.wait(lambda: chaos.steps() >= 1, "the first step", timeout=400)
+        cfg_pattern = re.escape(str(run_dir / "config.toml"))
+
+        # 1. SIGKILL an actor: its successor returns its tickets and starts on the current weights.
+        victim = chaos.rng.randrange(2)
+        old = chaos.pid(rf"-m actors --config {cfg_pattern} --index {victim}\b")
+        chaos.fault(f"actor{victim}", rf"-m actors --config {cfg_pattern} --index {victim}\b", signal.SIGKILL, 4)
+        chaos.wait(lambda: chaos.actor_back(victim, old), f"actor{victim} back and producing")
+
+        # 2. SIGKILL the env server: groups in flight fail with a reason, actors wait and go on.
+        at = chaos.fault("env server", rf"-m envs --config {cfg_pattern}", signal.SIGKILL, chaos.steps() + 2)
+        chaos.wait(lambda: chaos.steps() >= at + 4, "4 steps after the env server's restart")
+
+        # 3. SIGKILL the learner mid-batch: it resumes from its checkpoint, re-reads its pending groups.
+        at = chaos.fault("learner", rf"-m learner --config {cfg_pattern}", signal.SIGKILL, chaos.steps() + 2)
+        chaos.wait(lambda: chaos.steps() >= at + 4, "4 steps after the learner's restart")
+
+        # 4. SIGKILL Redis: restarted on the same port from its append-only file; nothing is lost.
+        port = chaos.redis_port()
+        at = chaos.fault("redis", rf"redis-server 127\.0\.0\.1:{port}\b", signal.SIGKILL, chaos.steps() + 2)
+        chaos.wait(lambda: chaos.steps() >= at + 4, "4 steps after Redis's restart")
+
+        # 5. SIGTERM an actor: it drains, flushes, returns its tickets, exits; it is restarted.
+        victim = chaos.rng.randrange(2)
+        restarts = chaos.output().count(f"restarting actor{victim} ")
+        chaos.fault(f"actor{victim}", rf"-m actors --config {cfg_pattern} --index {victim}\b", signal.SIGTERM,
+                    chaos.steps() + 2)
+        chaos.wait(lambda: chaos.output().count(f"restarting actor{victim} ") > restarts, f"actor{victim}'s restart")
+        assert chaos.steps() < STEPS, "the run ended before the last fault: raise STEPS"
+
+        assert chaos.proc.wait(600) == 0, chaos.output()[-5000:]
+    finally:
+        if chaos.proc.poll() is None:
+            chaos.proc.send_signal(signal.SIGINT)
+            chaos.proc.wait(120)
+    out = chaos.output()
+    print("\n".join(chaos.events))
+    print("\n".join(line for line in out.splitlines() if "omrl.run" in line and ("restart" in line or "groups:" in line)))
+
+    # Each fault was seen and answered by a restart.
+    for name, how in (("actor", "was killed by SIGKILL"), ("env-server", "was killed by SIGKILL"),
+                      ("learner", "was killed by SIGKILL"), ("redis", "was killed by SIGKILL"),
+                      ("actor", "exited with code 0")):
+        assert re.search(rf"{name}\d? {how}; restart \d of at most", out), (name, how)
+    # The env server's death cost groups, not actors: only the two actor faults restarted one.
+    assert len(re.findall(r"omrl\.run: actor\d (?:was killed|exited)", out)) == 2
+
+    # The run reached its step count; no group was trained twice.
+    last = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}
+    assert sorted(last) == list(range(1, STEPS + 1))
+    trained = [gid for s in range(1, STEPS + 1) for gid in last[s]["batch/group_ids"]]
+    assert len(trained) == len(set(trained)) == STEPS * B
+
+    # The books, from the raw streams: started = produced + failed + running, and
+    # produced = trained + dead-lettered + waiting (copies a retried XADD wrote aside).
+    books = read_books(run_dir / "redis", chaos.config()["redis"]["run"])
+    counts = books["counts"]
+    failed = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("failed:") and v}
+    assert set(failed) <= FAILURE_REASONS, failed
+    assert failed.get("actor_lost", 0) >= 1  # the SIGKILLed actor held tickets; they came back
+    assert counts["started"] == counts["produced"] + sum(failed.values()) + books["held"]
+    dead_ids = [decode_group(data).group_id for reason, data in books["dead"] if reason == "stale"]
+    assert len(dead_ids) == len(books["dead"])  # only ever stale groups; no garbage was produced
+    waiting = set(books["waiting"]) - set(trained)
+    assert not set(dead_ids) & set(trained) and not waiting & set(dead_ids)
+    assert counts["produced"] == len(trained) + len(dead_ids) + len(waiting)
+    assert processes_mentioning(str(run_dir)) == []
