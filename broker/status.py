@@ -6,10 +6,21 @@ from __future__ import annotations
 from typing import Any
 
 from broker.admission import group_counts
+from broker.connection import connect
 from broker.keys import Keys
 from broker.membership import Membership
 from broker.streams import stream_info
 from broker.weights import WeightStore
+from common.config import RedisConfig
+
+
+async def status_of(cfg: RedisConfig) -> dict[str, Any]:
+    """Connect to the run's Redis (redis.url), read its status, disconnect."""
+    client = connect(cfg)
+    try:
+        return await run_status(client, Keys(cfg.run, cfg.shards), cfg.dead_after_s)
+    finally:
+        await client.aclose()
 
 
 async def run_status(client, keys: Keys, dead_after_s: float) -> dict[str, Any]:

@@ -61,9 +61,7 @@ def _status(args: argparse.Namespace) -> int:
     import asyncio
     import json
 
-    from broker.connection import connect
-    from broker.keys import Keys
-    from broker.status import format_status, run_status
+    from broker.status import format_status, status_of
     from common.cli import config_from_args
 
     extra = [f"redis.url={json.dumps(args.redis_url)}"] if args.redis_url else []
@@ -73,14 +71,7 @@ def _status(args: argparse.Namespace) -> int:
         print("error: no Redis to ask: pass --redis-url or --config RUN_DIR/config.toml", file=sys.stderr)
         return 2
 
-    async def gather():
-        client = connect(cfg.redis)
-        try:
-            return await run_status(client, Keys(cfg.redis.run, cfg.redis.shards), cfg.redis.dead_after_s)
-        finally:
-            await client.aclose()
-
-    status = asyncio.run(gather())
+    status = asyncio.run(status_of(cfg.redis))
     print(json.dumps(status, indent=2) if args.json else format_status(status))
     return 0
 

@@ -291,19 +291,10 @@ def run(args: argparse.Namespace) -> int:
 
 def _report(cfg: Config, run_dir: Path) -> None:
     """The run's accounting, logged and written to RUN_DIR/accounting.json."""
-    from broker.connection import connect
-    from broker.keys import Keys
-    from broker.status import format_accounting, run_status
-
-    async def gather():
-        client = connect(cfg.redis)
-        try:
-            return await run_status(client, Keys(cfg.redis.run, cfg.redis.shards), cfg.redis.dead_after_s)
-        finally:
-            await client.aclose()
+    from broker.status import format_accounting, status_of
 
     try:
-        groups = asyncio.run(gather())["groups"]
+        groups = asyncio.run(status_of(cfg.redis))["groups"]
     except Exception as exc:  # noqa: BLE001 - a report must not hide how the run ended
         log.warning("could not read the run's accounting from Redis: %s", exc)
         return

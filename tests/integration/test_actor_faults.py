@@ -62,7 +62,7 @@ class ScriptedEngine:
         pass
 
 
-def test_env_failures_cost_groups_not_the_actor(redis_server_url, run_name, tiny_model, tmp_path):
+def test_env_failures_cost_groups_not_the_actor(redis_server_url, run_name, tiny_model, caplog):
     env_port = free_port()
     cfg = load_config(None, [f'redis.url="{redis_server_url}"', f"redis.run={run_name}", f'model.path="{tiny_model}"',
                              f"env.port={env_port}", "env.name=letters_refusing_test", "env.num_tasks=64",
@@ -97,8 +97,8 @@ def test_env_failures_cost_groups_not_the_actor(redis_server_url, run_name, tiny
                     await store.publish(step, step, b"weights-%d" % step)
 
         await asyncio.wait_for(learn(12), 60)
-        await runner.cleanup()  # the env server dies mid-run
-        await asyncio.sleep(1.0)
+        await runner.cleanup()  # the env server dies mid-run, for longer than a request's retries
+        await asyncio.sleep(4.0)
         runner = await serve(EnvServer(cfg.env.name), "127.0.0.1", env_port)  # back, with no envs
         before_restart = len(trained)
         await asyncio.wait_for(learn(12), 60)
@@ -109,8 +109,11 @@ def test_env_failures_cost_groups_not_the_actor(redis_server_url, run_name, tiny
         await client.aclose()
         return actor, counts, before_restart, trained
 
-    actor, counts, before_restart, trained = asyncio.run(scenario())
+    with caplog.at_level(logging.INFO):
+        actor, counts, before_restart, trained = asyncio.run(scenario())
     print(counts)
+    assert "unreachable: no new groups until it answers" in caplog.text
+    assert "answers: starting groups again" in caplog.text
     assert len(trained) >= before_restart + 12  # groups after the env server came back
     assert counts["failed"].get("env_error", 0) >= 1  # refused steps: their groups failed, counted
     assert counts["failed"].get("env_unreachable", 0) + counts["failed"].get("env_error", 0) >= 2

@@ -44,5 +44,8 @@ def test_compose_services_match_the_config_and_commands():
     env = {k: str(v) for k, v in actor["environment"].items()}
     cfg = load_config(ROOT / "deploy" / "compose.toml", environ=env)
     assert cfg.redis.url == "redis://redis:6379/0" and cfg.env.base_url == "http://env:36001"
+    # Processes that die come back (the learner only when it did not finish: exit code 0 is done).
+    assert services["learner"]["restart"] == "on-failure"
+    assert all(services[name]["restart"] == "unless-stopped" for name in ("redis", "env", "actor"))
     for dep, cond in actor["depends_on"].items():
         assert dep in services and cond["condition"].startswith("service_")
