@@ -27,7 +27,8 @@ async def run_status(client, keys: Keys, dead_after_s: float) -> dict[str, Any]:
     streams = [await stream_info(client, keys, shard) for shard in range(keys.shards)]
     state = {k.decode(): v.decode() for k, v in (await client.hgetall(keys.learner_state)).items()}
     learner = ({"step": int(state["step"]), "version": int(state["version"]),
-                "groups_trained": int(state.get("groups_trained", 0))} if state else None)
+                "groups_trained": int(state.get("groups_trained", 0)),
+                "groups_committed": int(state.get("groups_committed", 0))} if state else None)
     return {
         "run": keys.run,
         "streams": streams,
@@ -40,9 +41,11 @@ async def run_status(client, keys: Keys, dead_after_s: float) -> dict[str, Any]:
 
 def accounting(counts: dict[str, Any], learner: dict[str, Any] | None, streams: list[dict[str, Any]]) -> dict[str, Any]:
     """Every group started is produced, failed with a reason, or still running; every group
-    produced is trained, dead-lettered, or waiting in a stream. `unaccounted` is what the
-    second sum misses: 0 unless Redis lost data (or copies a retried XADD wrote are waiting)."""
-    trained = learner["groups_trained"] if learner else 0
+    produced is trained (and acknowledged), dead-lettered, or waiting in a stream (groups
+    trained since the last checkpoint are still there). `unaccounted` is what the second
+    sum misses: 0 unless Redis lost data, or copies a retried XADD wrote are waiting (or,
+    while the learner runs, for the moment between an acknowledgement and its count)."""
+    trained = learner["groups_committed"] if learner else 0
     waiting = sum(s["length"] for s in streams)
     dead = sum(counts["dead_lettered"].values())
     return {**counts, "trained": trained, "waiting": waiting,
@@ -58,7 +61,7 @@ def format_accounting(groups: dict[str, Any]) -> str:
             f"{reasons(failed)} + {groups['held']} running; produced = {groups['trained']} trained + "
             f"{sum(dead.values())} dead-lettered{reasons(dead)} + {groups['waiting']} waiting in the streams")
     if groups["unaccounted"]:
-        text += f" ({groups['unaccounted']:+d} unaccounted: duplicates waiting, or Redis lost data)"
+        text += f" ({groups['unaccounted']:+d} unaccounted: copies waiting, or Redis lost data)"
     return text
 
 

@@ -104,6 +104,9 @@ class Learner:
         save_checkpoint(self.checkpoint_dir, self.state, trainer.model, trainer.optimizer, self.cfg.learner.keep_checkpoints)
         bridge.ack(self.uncommitted)
         self.uncommitted = []
+        committed, keys = self.state.groups_trained, bridge.keys
+        # For the run's accounting: trained and acknowledged (no longer in a stream).
+        bridge.call(lambda: bridge.client.hset(keys.learner_state, "groups_committed", committed), "learner state")
 
     def run(self) -> int:
         """Train to learner.steps (exit code 0) or until a signal (128 + its number)."""
