@@ -182,6 +182,9 @@ def _wait_redis(port: int) -> Callable[[Process], None]:
             wait_until_up(port, process.proc)
         except RuntimeError:
             pass  # exited: the supervisor sees it and decides
+        except TimeoutError as exc:
+            log.error("%s: killing it", exc)
+            process.signal(signal.SIGKILL)  # the supervisor sees the exit and restarts it
     return ready
 
 
