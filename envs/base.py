@@ -6,16 +6,31 @@ Adding an env is a class with ``reset`` and ``step`` and one decorator::
     class MyEnv(Env):
         def reset(self, task_idx: int) -> str: ...
         def step(self, action: str) -> StepResult: ...
+
+Optional, each with a default: ``observation`` (the current observation), ``oracle_action``
+(an expert's next action, for tests and oracle trajectories; served as ``GET /oracle``),
+``random_action`` (the random baseline's next action; served as ``GET /random``),
+``reset_fields`` (extra top-level fields of the ``/reset`` answer, where AgentGym's server
+of the same env sends some) and ``close`` (free what the instance holds: a JVM, say).
+
+The server runs ``reset``, ``step``, ``oracle_action`` and ``close`` in a worker thread, one
+call at a time per instance, so an env may block (a JVM call, a planner) without stalling
+other clients.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 from typing import Any, Callable
 
 
 @dataclasses.dataclass
 class StepResult:
+    """What one step answers. `info` holds extra top-level fields of the answer, named as
+    AgentGym's server of the same env names them (`score`, ...); `success` in it, where an
+    env sets it, says whether the episode counts as solved."""
+
     observation: str
     reward: float
     done: bool
@@ -38,6 +53,21 @@ class Env:
 
     def observation(self) -> str:
         raise NotImplementedError
+
+    def reset_fields(self) -> dict[str, Any]:
+        """Extra top-level fields of the /reset answer (AgentGym's babyai sends `score`...)."""
+        return {}
+
+    def oracle_action(self) -> str:
+        """The next action of an expert that sees the whole state."""
+        raise NotImplementedError(f"{type(self).__name__} has no oracle")
+
+    def random_action(self, rng: random.Random) -> str:
+        """An action drawn uniformly from the actions that make sense now: the random baseline."""
+        raise NotImplementedError(f"{type(self).__name__} has no random policy")
+
+    def close(self) -> None:
+        """Free what the instance holds; called once, when the client closes it or it is reaped."""
 
 
 ENVS: dict[str, Callable[..., Env]] = {}

@@ -1,43 +1,52 @@
 """An aiohttp env server speaking the AgentGym "id" protocol.
 
-    GET  /                    health check: a string
+    GET  /                    health check: a string with the counts of envs
+    GET  /stats               the same counts as JSON
     POST /create              {}                       -> {"id": int}
-    POST /reset               {"id", "data_idx"}       -> {"observation", "reward", "done", "id"}
-    POST /step                {"id", "action"}         -> {"observation", "reward", "done", "info"}
+    POST /reset               {"id", "data_idx"}       -> {"id", "observation", "reward", "done", ...}
+    POST /step                {"id", "action"}         -> {"observation", "reward", "done", ...}
     GET  /observation?id=     a string
+    GET  /oracle?id=          {"action": str}: an expert's next action (our envs only)
+    GET  /random?id=          {"action": str}: the random baseline's next action (our envs only)
     POST /close               {"id"}                   -> true
 
-Every env instance belongs to one client (ids start at a random offset, so a restarted
-server never hands out an id that a client of its predecessor still holds); instances idle
-longer than `idle_ttl_s` are freed (AgentGym's servers never free what a crashed client left behind). Bad requests
-get a 4xx answer with a JSON body ``{"error": "..."}``.
+The extra fields of /reset and /step (`score`, `success`, ...) are the env's own, named as
+AgentGym's server of the same env names them.
+
+Fit for slow, heavy envs: every env call runs in a worker thread (one call at a time per
+instance), so an env that blocks (a JVM, a planner) never stalls the event loop. A crash
+inside an instance answers 500 with a JSON error and frees that instance; the others go
+on. Past `max_envs` open instances, /create answers 503 with Retry-After. Every instance
+belongs to one client (ids start at a random offset, so a restarted server never hands out
+an id that a client of its predecessor still holds); instances idle longer than
+`idle_ttl_s` are freed (AgentGym's servers never free what a crashed client left behind).
+Bad requests get a 4xx answer with a JSON body ``{"error": "..."}``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import itertools
 import json
-import secrets
 import logging
+import random
+import secrets
 import time
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from aiohttp import web
 
 from envs.base import Env, make_env
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 
 
 class RequestError(Exception):
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status = status
-
-
-def _error(status: int, message: str) -> web.Response:
-    return web.json_response({"error": message}, status=status)
+        self.status, self.headers = status, headers
 
 
 @web.middleware
@@ -45,21 +54,33 @@ async def _errors(request: web.Request, handler):
     try:
         return await handler(request)
     except RequestError as exc:
-        return _error(exc.status, str(exc))
+        return web.json_response({"error": str(exc)}, status=exc.status, headers=exc.headers)
+
+
+class _Instance:
+    def __init__(self, env: Env):
+        self.env = env
+        self.lock = asyncio.Lock()  # one call at a time per instance
+        self.last_used = time.monotonic()
 
 
 class EnvServer:
     def __init__(self, env_name: str, options: dict[str, Any] | None = None, idle_ttl_s: float = 600.0,
-                 max_envs: int = 100_000):
+                 max_envs: int = 4096, threads: int = 32, seed: int = 0):
         self.env_name, self.options = env_name, dict(options or {})
-        make_env(env_name, **self.options)  # fail at start on a bad name or options
+        make_env(env_name, **self.options).close()  # fail at start on a bad name or options
         self.idle_ttl_s, self.max_envs = idle_ttl_s, max_envs
-        self.envs: dict[int, Env] = {}
-        self.last_used: dict[int, float] = {}
+        self.instances: dict[int, _Instance] = {}
         # Ids start at a random offset: a client still holding an id of a server that died
         # gets 404 from its successor, never another client's env.
         self._ids = itertools.count(secrets.randbelow(2 ** 40))
-        self.stats = {"created": 0, "closed": 0, "reaped": 0, "steps": 0}
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="env")
+        self.stats = {"created": 0, "closed": 0, "reaped": 0, "failed": 0, "steps": 0}
+        self._rng = random.Random(seed)
+
+    @property
+    def envs(self) -> dict[int, Env]:
+        return {i: inst.env for i, inst in self.instances.items()}
 
     # -- helpers --------------------------------------------------------------------------
     @staticmethod
@@ -81,57 +102,113 @@ class EnvServer:
             raise RequestError(400, f"field {name!r} must be an integer, got {value!r}")
         return value
 
-    def _env(self, env_id: int) -> Env:
-        env = self.envs.get(env_id)
-        if env is None:
+    def _instance(self, env_id: int) -> _Instance:
+        inst = self.instances.get(env_id)
+        if inst is None:
             raise RequestError(404, f"no env with id {env_id} (closed, reaped after idling, or never created)")
-        self.last_used[env_id] = time.monotonic()
-        return env
+        inst.last_used = time.monotonic()
+        return inst
+
+    async def _in_thread(self, call: Callable[[], T]) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    async def _call(self, env_id: int, what: str, call: Callable[[Env], T]) -> T:
+        """Run `call(env)` in a worker thread, one call at a time per instance. A RuntimeError
+        is the env refusing the request (409), NotImplementedError a method it lacks (404);
+        anything else is a crash: the instance is freed and the client gets 500."""
+        inst = self._instance(env_id)
+        async with inst.lock:
+            if self.instances.get(env_id) is not inst:
+                raise RequestError(404, f"no env with id {env_id} (closed while this request waited)")
+            try:
+                return await self._in_thread(lambda: call(inst.env))
+            except NotImplementedError as exc:  # (a RuntimeError too) the env has no such method
+                raise RequestError(404, str(exc)) from None
+            except RuntimeError as exc:
+                raise RequestError(409, str(exc)) from None
+            except Exception as exc:  # noqa: BLE001 - a crash costs this instance, never the server
+                self.stats["failed"] += 1
+                log.exception("env %d crashed in %s: freeing it", env_id, what)
+                await self._free(env_id)
+                raise RequestError(500, f"env {env_id} crashed in {what}: {type(exc).__name__}: {exc} "
+                                        f"(the instance was freed; create a new one)") from None
+
+    async def _free(self, env_id: int) -> None:
+        inst = self.instances.pop(env_id, None)
+        if inst is not None:
+            try:
+                await self._in_thread(inst.env.close)
+            except Exception:  # noqa: BLE001 - freeing a broken env must not fail the request
+                log.exception("closing env %d failed", env_id)
+
+    def counts(self) -> dict[str, int]:
+        return {"open": len(self.instances), **self.stats}
 
     # -- handlers -------------------------------------------------------------------------
     async def health(self, request: web.Request) -> web.Response:
-        return web.json_response(f"ok: {self.env_name} env server, {len(self.envs)} envs")
+        c = self.counts()
+        return web.json_response(f"ok: {self.env_name} env server; {c['open']} open, {c['created']} created, "
+                                 f"{c['reaped']} reaped, {c['failed']} failed")
+
+    async def stats_view(self, request: web.Request) -> web.Response:
+        return web.json_response({"env": self.env_name, **self.counts()})
 
     async def create(self, request: web.Request) -> web.Response:
         await self._body(request)
-        if len(self.envs) >= self.max_envs:
-            raise RequestError(503, f"{len(self.envs)} envs open, the limit is {self.max_envs}: close some")
+        if len(self.instances) >= self.max_envs:
+            raise RequestError(503, f"{len(self.instances)} envs open, the limit is {self.max_envs}: close some "
+                                    f"or retry later", headers={"Retry-After": "1"})
+        try:
+            env = await self._in_thread(lambda: make_env(self.env_name, **self.options))
+        except Exception as exc:  # noqa: BLE001
+            self.stats["failed"] += 1
+            log.exception("creating an env failed")
+            raise RequestError(500, f"creating an env failed: {type(exc).__name__}: {exc}") from None
         env_id = next(self._ids)
-        self.envs[env_id] = make_env(self.env_name, **self.options)
-        self.last_used[env_id] = time.monotonic()
+        self.instances[env_id] = _Instance(env)
         self.stats["created"] += 1
         return web.json_response({"id": env_id})
 
     async def reset(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         env_id, task_idx = self._int(body, "id"), self._int(body, "data_idx")
-        observation = self._env(env_id).reset(task_idx)
-        return web.json_response({"id": env_id, "observation": observation, "reward": 0.0, "done": False})
+        observation, fields = await self._call(env_id, "reset", lambda env: (env.reset(task_idx), env.reset_fields()))
+        return web.json_response({"id": env_id, "observation": observation, "reward": 0.0, "done": False, **fields})
 
     async def step(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         env_id, action = self._int(body, "id"), body.get("action")
         if not isinstance(action, str):
             raise RequestError(400, f"field 'action' must be a string, got {action!r}")
-        try:
-            result = self._env(env_id).step(action)
-        except RuntimeError as exc:
-            raise RequestError(409, str(exc)) from None
+        result = await self._call(env_id, "step", lambda env: env.step(action))
         self.stats["steps"] += 1
         return web.json_response({"observation": result.observation, "reward": result.reward,
-                                  "done": result.done, "info": result.info})
+                                  "done": result.done, **result.info})
 
-    async def observation(self, request: web.Request) -> web.Response:
+    def _query_id(self, request: web.Request) -> int:
         try:
-            env_id = int(request.query.get("id", ""))
+            return int(request.query.get("id", ""))
         except ValueError:
             raise RequestError(400, "query parameter 'id' must be an integer") from None
-        return web.json_response(self._env(env_id).observation())
+
+    async def observation(self, request: web.Request) -> web.Response:
+        env_id = self._query_id(request)
+        return web.json_response(await self._call(env_id, "observation", lambda env: env.observation()))
+
+    async def oracle(self, request: web.Request) -> web.Response:
+        env_id = self._query_id(request)
+        return web.json_response({"action": await self._call(env_id, "oracle", lambda env: env.oracle_action())})
+
+    async def random(self, request: web.Request) -> web.Response:
+        env_id = self._query_id(request)
+        rng = self._rng
+        return web.json_response({"action": await self._call(env_id, "random", lambda env: env.random_action(rng))})
 
     async def close(self, request: web.Request) -> web.Response:
         env_id = self._int(await self._body(request), "id")
-        self._env(env_id)
-        del self.envs[env_id], self.last_used[env_id]
+        inst = self._instance(env_id)
+        async with inst.lock:  # let a call in progress finish first
+            await self._free(env_id)
         self.stats["closed"] += 1
         return web.json_response(True)
 
@@ -139,8 +216,8 @@ class EnvServer:
         while True:
             await asyncio.sleep(min(self.idle_ttl_s, 30.0))
             cutoff = time.monotonic() - self.idle_ttl_s
-            for env_id in [i for i, t in self.last_used.items() if t < cutoff]:
-                del self.envs[env_id], self.last_used[env_id]
+            for env_id in [i for i, inst in self.instances.items() if inst.last_used < cutoff and not inst.lock.locked()]:
+                await self._free(env_id)
                 self.stats["reaped"] += 1
                 log.info("freed env %d after %.0fs idle", env_id, self.idle_ttl_s)
 
@@ -148,19 +225,25 @@ class EnvServer:
         app = web.Application(middlewares=[_errors])
         app.add_routes([
             web.get("/", self.health),
+            web.get("/stats", self.stats_view),
             web.post("/create", self.create),
             web.post("/reset", self.reset),
             web.post("/step", self.step),
             web.get("/observation", self.observation),
+            web.get("/oracle", self.oracle),
+            web.get("/random", self.random),
             web.post("/close", self.close),
         ])
 
-        async def reaper(app: web.Application):
+        async def lifecycle(app: web.Application):
             task = asyncio.create_task(self._reap())
             yield
             task.cancel()
+            for env_id in list(self.instances):
+                await self._free(env_id)
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
-        app.cleanup_ctx.append(reaper)
+        app.cleanup_ctx.append(lifecycle)
         return app
 
 
