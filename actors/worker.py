@@ -27,7 +27,8 @@ from collections import Counter
 import aiohttp
 
 from actors.engine import Engine, VLLMEngine
-from actors.episode import run_episode
+from actors.episode import EpisodeSetup, ModelPolicy, run_episode
+from actors.templates import make_template
 from actors.weights import WeightGate, apply_newest, receive_weights
 from broker.admission import Admission
 from broker.connection import connect
@@ -39,6 +40,9 @@ from broker.weights import WeightStore
 from common.config import Config
 from common.messages import CodecError, RolloutGroup, encode_group
 from envs.client import EnvClient, EnvError
+from envs.rewards import check_weights
+from envs.specs import spec_for
+from envs.tasks import task_split
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +64,13 @@ class Actor:
         if not cfg.redis.url:
             raise SystemExit("error: redis.url is unset: pass --set redis.url=redis://HOST:PORT/0")
         self.cfg, self.index, self.engine = cfg, index, engine
+        try:
+            self.template = make_template(cfg.actor.action_template)
+            check_weights(cfg.actor.rewards)
+            self.train_tasks, _test = task_split(cfg.env)  # no test task is ever trained on
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        self.spec = spec_for(cfg.env.name, cfg.env.protocol)
         # The name outlives the process: a restarted actor takes its predecessor's place
         # (membership, and the tickets it left behind come back at once).
         self.name = f"{socket.gethostname()}-{index}"
@@ -102,7 +113,9 @@ class Actor:
             with tempfile.TemporaryDirectory(prefix="omrl-weights-") as tmp:  # start on the current version
                 await apply_newest(store, self.gate, self.engine.load_weights, tmp, self.retry)
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
-                self.env = EnvClient(cfg.env.base_url, session, cfg.env.timeout_s)
+                self.env = EnvClient(cfg.env.base_url, session, cfg.env.timeout_s, self.spec)
+                self.setup = EpisodeSetup(self.env, self.tokenizer, cfg.actor, self.template, cfg.env.name)
+                self.policy = ModelPolicy(self.engine, self.gate)
                 self.env_up.set()
                 async with asyncio.TaskGroup() as tg:
                     tg.create_task(receive_weights(store, self.gate, self.engine.load_weights,
@@ -129,7 +142,7 @@ class Actor:
             if not await self.retry.run("admission ticket", lambda: self.admission.acquire(ticket, self.stop)):
                 self.running.discard(ticket)
                 return
-            task_idx = self.rng.randrange(cfg.env.num_tasks)
+            task_idx = self.rng.choice(self.train_tasks)
             try:
                 group = await self._run_group(task_idx)
                 data = encode_group(group)
@@ -150,8 +163,7 @@ class Actor:
         self.in_flight += cfg.actor.group_size
         try:
             async with asyncio.TaskGroup() as tg:
-                episodes = [tg.create_task(run_episode(self.engine, self.env, self.tokenizer, self.gate, cfg.actor,
-                                                       task_idx, cfg.env.name))
+                episodes = [tg.create_task(run_episode(self.setup, self.policy, task_idx))
                             for _ in range(cfg.actor.group_size)]
         except* EnvError as errors:
             first = errors.exceptions[0]
@@ -159,7 +171,8 @@ class Actor:
         finally:
             self.in_flight -= cfg.actor.group_size
         return RolloutGroup(task_id=str(task_idx), env_name=cfg.env.name, actor_id=self.name,
-                            sampling={"temperature": cfg.actor.temperature, "max_tokens": cfg.actor.max_tokens},
+                            sampling={"temperature": cfg.actor.temperature, "max_tokens": cfg.actor.max_tokens,
+                                      "action_template": cfg.actor.action_template},
                             samples=[e.result() for e in episodes])
 
     async def _fail(self, ticket: str, reason: str, message: str) -> None:

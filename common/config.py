@@ -70,15 +70,21 @@ class ModelConfig(Section):
 
 class EnvConfig(Section):
     name: str = "letters"
-    """Built-in env served by `omrl env-server` (see envs.registry)."""
+    """The env: a built-in one served by `omrl env-server`, or the name of an AgentGym server at env.url
+    (babyai, textcraft, sciworld, alfworld, webshop, ...: see envs/specs.py)."""
     url: str | None = None
-    """Base URL of the env server; unset means http://{host}:{port}."""
+    """Base URL of the env server; unset means http://{host}:{port} (`omrl run` starts one)."""
+    protocol: Literal["id", "env_idx"] | None = None
+    """AgentGym protocol family of the server; unset means the env's own (envs/specs.py), else id."""
+    tasks: str | None = None
+    """Task files (a directory with train.parquet and test.parquet, see `omrl tasks make`); unset means
+    the env's index range, split as envs/specs.py says."""
     host: str = "127.0.0.1"
     """Host the env server binds to."""
     port: int = Field(0, ge=0, le=65535)
     """Port of the env server (0: `omrl run` picks a free one)."""
-    num_tasks: int = Field(1000, ge=1)
-    """Tasks are integers 0..num_tasks-1 (AgentGym `data_idx`)."""
+    num_tasks: int = Field(1000, ge=2)
+    """Tasks are integers 0..num_tasks-1 (AgentGym `data_idx`), for envs whose spec does not say."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Env-specific options passed to the env constructor (letters: turns, alphabet)."""
     timeout_s: float = Field(120.0, gt=0)
@@ -108,6 +114,10 @@ class ActorConfig(Section):
     """Strings that end a turn's generation (kept in the token buffer as sampled)."""
     system_prompt: str = ""
     """Text placed before the first observation."""
+    action_template: str = "raw"
+    """How the model writes an action: raw, react, tag or json (actors/templates.py)."""
+    rewards: dict[str, float] = Field(default_factory=lambda: {"env": 1.0})
+    """Reward functions by name and their weights (envs/rewards.py): env, success, format, process, length."""
     kv_cache_mb: int = Field(64, ge=1)
     """KV-cache memory of one actor's vLLM engine in MiB."""
     seed: int = 0

@@ -20,7 +20,7 @@ import msgpack
 import numpy as np
 
 KIND_ROLLOUT_GROUP = "rollout_group"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: samples carry success and invalid_actions
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 
 # Per-token arrays of a sample, with the dtype they travel as.
@@ -65,6 +65,8 @@ class Sample:
     finish_reason: str
     task_id: str
     env_name: str
+    success: bool = False  # the env's success rule (envs.specs)
+    invalid_actions: int = 0  # turns whose action did not parse
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -110,6 +112,8 @@ def _sample_to_dict(sample: Sample) -> dict[str, Any]:
         finish_reason=sample.finish_reason,
         task_id=sample.task_id,
         env_name=sample.env_name,
+        success=bool(sample.success),
+        invalid_actions=int(sample.invalid_actions),
         timing={k: float(v) for k, v in sample.timing.items()},
     )
     return out
@@ -195,6 +199,8 @@ def _decode_sample(obj: Any, where: str) -> Sample:
         finish_reason=_field(obj, "finish_reason", str, where),
         task_id=_field(obj, "task_id", str, where),
         env_name=_field(obj, "env_name", str, where),
+        success=_field(obj, "success", bool, where),
+        invalid_actions=_field(obj, "invalid_actions", int, where),
         timing=dict(_field(obj, "timing", dict, where)),
     )
 

@@ -1,4 +1,4 @@
-"""Async client for env servers speaking the AgentGym "id" protocol (ours or AgentGym's).
+"""Async client for env servers speaking either AgentGym protocol family (ours or AgentGym's).
 
 Retries follow one declared policy, and only where a retry cannot do a request twice:
 - a connection that could not be opened (the server is down or restarting) is retried for
@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 
 from envs.base import StepResult
+from envs.specs import EnvSpec
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +29,7 @@ log = logging.getLogger(__name__)
 NOT_SENT = (aiohttp.ClientConnectorError,)  # the connection was never opened
 MAYBE_DONE = (aiohttp.ClientConnectionError, asyncio.TimeoutError)  # sent, answer lost
 RETRY_STATUS = {503}
-IDEMPOTENT = {"/", "/reset", "/observation", "/close"}
+IDEMPOTENT = {"/", "/stats", "/reset", "/observation", "/oracle", "/random", "/close"}
 MAX_ATTEMPTS = 5
 BACKOFF_S = 0.2
 
@@ -52,10 +53,18 @@ class EnvUnreachable(EnvError):
 
 
 class EnvClient:
-    def __init__(self, base_url: str, session: aiohttp.ClientSession, timeout_s: float = 300.0):
+    """One client for every AgentGym server, both families: "id" (babyai, sciworld,
+    textcraft, alfworld, ours...) names the instance `id`; "env_idx" (webshop, sqlgym, the
+    tool envs...) names it `env_idx`. Every answer shape is read (see `observation_of`,
+    `step_result`); errors answered as HTTP 200 with {"error": ...} raise EnvError like 4xx."""
+
+    def __init__(self, base_url: str, session: aiohttp.ClientSession, timeout_s: float = 300.0,
+                 spec: EnvSpec | None = None):
         self.base_url = base_url.rstrip("/")
         self.session = session
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.spec = spec or EnvSpec("env")
+        self.key = "env_idx" if self.spec.protocol == "env_idx" else "id"
 
     async def _request(self, method: str, path: str, attempts: int = MAX_ATTEMPTS, **kwargs: Any) -> Any:
         url = f"{self.base_url}{path}"
@@ -88,28 +97,88 @@ class EnvClient:
         return await self._request("GET", "/", attempts=attempts)
 
     async def create(self) -> int:
-        return int((await self._request("POST", "/create", json={}))["id"])
+        """A new instance: {"id": n} (id family), a bare int or {"env_idx": n} (env_idx family)."""
+        kwargs = {"json": self.spec.create_body} if self.spec.create_body is not None else {}
+        body = await self._request("POST", "/create", **kwargs)
+        if isinstance(body, int) and not isinstance(body, bool):
+            return body
+        if isinstance(body, dict):
+            for key in ("id", "env_idx"):
+                if isinstance(body.get(key), int):
+                    return body[key]
+        raise EnvError(f"POST /create: no instance id in the answer {str(body)[:200]!r}")
 
-    async def reset(self, env_id: int, task_idx: int) -> str:
-        return (await self._request("POST", "/reset", json={"id": env_id, "data_idx": task_idx}))["observation"]
+    async def reset(self, env_id: int, task_idx: int) -> StepResult:
+        body = await self._request("POST", "/reset", json={self.key: env_id, **self.spec.reset_body(task_idx)})
+        return StepResult(observation_of(body, "POST /reset"), self._reward(body), False, _fields(body))
 
     async def step(self, env_id: int, action: str) -> StepResult:
-        body = await self._request("POST", "/step", json={"id": env_id, "action": action})
-        return StepResult(body["observation"], float(body["reward"]), bool(body["done"]), body.get("info") or {})
+        """The answer as a StepResult; `reward` is the spec's reward field, scaled (a running
+        total where `spec.reward_is_total`)."""
+        body = await self._request("POST", "/step", json={self.key: env_id, "action": action})
+        return step_result(body, self.spec)
 
     async def observation(self, env_id: int) -> str:
-        return await self._request("GET", "/observation", params={"id": str(env_id)})
+        return observation_of(await self._request("GET", "/observation", params={self.key: str(env_id)}),
+                              "GET /observation")
+
+    async def oracle_action(self, env_id: int) -> str:
+        """An expert's next action (our env servers only)."""
+        return (await self._request("GET", "/oracle", params={"id": str(env_id)}))["action"]
+
+    async def random_action(self, env_id: int) -> str:
+        """The random baseline's next action (our env servers only)."""
+        return (await self._request("GET", "/random", params={"id": str(env_id)}))["action"]
 
     async def close(self, env_id: int) -> bool:
-        return bool(await self._request("POST", "/close", json={"id": env_id}))
+        return bool(await self._request("POST", "/close", json={self.key: env_id}))
 
     async def close_quietly(self, env_id: int) -> None:
         """Free an env at the end of an episode, once, without failing it: a server that is
-        gone has nothing to free, and servers free idle envs on their own."""
+        gone has nothing to free, servers free idle envs on their own, and some AgentGym
+        servers have no /close."""
         try:
-            await self._request("POST", "/close", attempts=1, json={"id": env_id})
+            await self._request("POST", "/close", attempts=1, json={self.key: env_id})
         except EnvError as exc:
             log.debug("close of env %d failed: %s", env_id, exc)
+
+    def _reward(self, body: Any) -> float:
+        return _number(body, self.spec.reward_field) * self.spec.reward_scale if isinstance(body, dict) else 0.0
+
+
+def observation_of(body: Any, where: str) -> str:
+    """The observation in any answer shape: a string; [observation, null] (webshop, sqlgym
+    /reset); an object with `observation` or `state` (webshop, sqlgym /step)."""
+    if isinstance(body, str):
+        return body
+    if isinstance(body, list) and body and isinstance(body[0], str):
+        return body[0]
+    if isinstance(body, dict):
+        for key in ("observation", "state"):
+            if isinstance(body.get(key), str):
+                return body[key]
+    raise EnvError(f"{where}: no observation in the answer {str(body)[:200]!r}")
+
+
+def step_result(body: Any, spec: EnvSpec) -> StepResult:
+    if not isinstance(body, dict):
+        raise EnvError(f"POST /step: the answer is a {type(body).__name__}, expected an object")
+    done = bool(body.get("done") or body.get("terminated") or body.get("truncated"))
+    return StepResult(observation_of(body, "POST /step"), _number(body, spec.reward_field) * spec.reward_scale,
+                      done, _fields(body))
+
+
+def _number(body: dict[str, Any], field: str) -> float:
+    value = body.get(field, 0.0)
+    if value is None:
+        return 0.0
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise EnvError(f"answer field {field!r} is {value!r}, not a number")
+    return float(value)
+
+
+def _fields(body: Any) -> dict[str, Any]:
+    return {k: v for k, v in body.items() if k not in ("observation", "state")} if isinstance(body, dict) else {}
 
 
 class _Retry(Exception):

@@ -179,11 +179,17 @@ class Learner:
             self._publish(bridge, trainer)
             metrics["learner/time/publish_s"] = time.perf_counter() - t0
         generated = np.concatenate([s.versions[s.loss_mask.astype(bool)] for g in groups for s in g.samples])
+        samples = [s for g in groups for s in g.samples]
+        turns = sum(s.num_turns for s in samples)
         return {
             "step": self.state.step,
             "weight_version": self.state.version,
             "reward/mean": float(batch.rewards.mean()),
             "reward/std": float(batch.rewards.std()),
+            "reward/env": float(np.mean([s.turn_rewards.sum() for s in samples])),
+            "reward/success": float(np.mean([s.success for s in samples])),
+            "actor/invalid_action_frac": sum(s.invalid_actions for s in samples) / max(1, turns),
+            "batch/turns_mean": turns / len(samples),
             "batch/groups": len(groups),
             "batch/zero_signal_frac": float((~batch.group_signal).mean()),
             "batch/generated_tokens": int(generated.size),

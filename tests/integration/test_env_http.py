@@ -28,7 +28,7 @@ def test_full_episode_over_http():
     async def scenario(client, session, port, server):
         assert "letters" in await client.health()
         env_id = await client.create()
-        obs = await client.reset(env_id, 3)
+        obs = (await client.reset(env_id, 3)).observation
         assert obs.startswith("Say ")
         assert await client.observation(env_id) == obs
         target = obs[4]
@@ -126,7 +126,7 @@ def test_a_step_or_create_whose_answer_was_lost_is_not_sent_again():
             await client.create()
         assert exc.value.reason == "env_unreachable"
         assert seen == {"/step": 1, "/create": 1}  # neither was retried: the server may have acted
-        assert await client.reset(1, 0) == "Say a"  # idempotent: retried after the timeout
+        assert (await client.reset(1, 0)).observation == "Say a"  # idempotent: retried after the timeout
         assert seen["/reset"] == 2
     with_scripted_server(scenario, {"/step": slow, "/create": answer_lost, "/reset": slow_once})
 

@@ -82,7 +82,8 @@ def test_weights_reload_in_place(engine, cfg, loop, tmp_path):
 
 
 def test_episode_is_token_exact(engine, cfg, loop):
-    from actors.episode import run_episode
+    from actors.episode import EpisodeSetup, ModelPolicy, run_episode
+    from actors.templates import make_template
 
     async def scenario():
         port = free_port()
@@ -91,8 +92,9 @@ def test_episode_is_token_exact(engine, cfg, loop):
         try:
             async with aiohttp.ClientSession() as session:
                 client = EnvClient(f"http://127.0.0.1:{port}", session)
-                return await asyncio.gather(*[run_episode(engine, client, engine.tokenizer, gate, cfg.actor, task, "letters")
-                                              for task in range(8)])
+                setup = EpisodeSetup(client, engine.tokenizer, cfg.actor, make_template("raw"), "letters")
+                policy = ModelPolicy(engine, gate)
+                return await asyncio.gather(*[run_episode(setup, policy, task) for task in range(8)])
         finally:
             await runner.cleanup()
 
