@@ -24,7 +24,8 @@ class Generation:
 class Engine(Protocol):
     tokenizer: Any
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation: ...
+    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None) -> Generation:
+        """One continuation; `temperature` overrides actor.temperature (0: greedy)."""
 
     async def load_weights(self, path: str) -> None: ...
 
@@ -69,8 +70,9 @@ class VLLMEngine:
             tokens.append(self.tokenizer.convert_ids_to_tokens(ids[0]))
         return tokens
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation:
-        params = self._SamplingParams(max_tokens=max_tokens, **self.params)
+    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None) -> Generation:
+        params = self._SamplingParams(max_tokens=max_tokens,
+                                      **{**self.params, **({} if temperature is None else {"temperature": temperature})})
         final = None
         async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=f"r{next(self._ids)}"):
             final = out

@@ -28,10 +28,12 @@ import aiohttp
 
 from actors.engine import Engine, VLLMEngine
 from actors.episode import EpisodeSetup, ModelPolicy, run_episode
+from actors.evaluate import PinnedModelPolicy, evaluate
 from actors.templates import make_template
 from actors.weights import WeightGate, apply_newest, receive_weights
 from broker.admission import Admission
 from broker.connection import connect
+from broker.evals import publish_eval
 from broker.keys import Keys
 from broker.membership import Membership
 from broker.retry import REDIS_TRANSIENT, RetryPolicy
@@ -67,7 +69,7 @@ class Actor:
         try:
             self.template = make_template(cfg.actor.action_template)
             check_weights(cfg.actor.rewards)
-            self.train_tasks, _test = task_split(cfg.env)  # no test task is ever trained on
+            self.train_tasks, self.test_tasks = task_split(cfg.env)  # no test task is ever trained on
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
         self.spec = spec_for(cfg.env.name, cfg.env.protocol)
@@ -124,6 +126,8 @@ class Actor:
                     tg.create_task(self._heartbeat())
                     tg.create_task(self._watch_env())
                     flusher = tg.create_task(self.producer.run())  # if it fails, the actor fails
+                    if cfg.learner.eval_every and self.index == 0:
+                        tg.create_task(self._eval_loop(client, keys))
                     loops = [tg.create_task(self._group_loop()) for _ in range(cfg.actor.concurrent_groups)]
                     tg.create_task(self._drain(loops, flusher))
         finally:
@@ -180,6 +184,31 @@ class Actor:
         log.warning("%s (reason %s; %d groups failed so far)", message, reason, sum(self.failed.values()))
         await self.retry.run("return the admission ticket", lambda: self.admission.release(ticket, reason))
         self.running.discard(ticket)
+
+    async def _eval_loop(self, client, keys: Keys) -> None:
+        """Every learner.eval_every versions: the first learner.eval_tasks held-out tasks, played
+        greedily on one weight version (the gate is held meanwhile), reported through Redis."""
+        every, tasks = self.cfg.learner.eval_every, list(self.test_tasks)[:self.cfg.learner.eval_tasks]
+        last = -1
+        while not self.stop.is_set():
+            if self.gate.version // every > last and self.env_up.is_set():
+                async with self.gate.generating() as version:
+                    policy = PinnedModelPolicy(self.engine, version, temperature=0.0)
+                    try:
+                        result = await evaluate(self.setup, policy, tasks, "model")
+                    except EnvError as exc:
+                        log.warning("evaluation at version %d failed: %s", version, exc)
+                        result = None
+                last = version // every
+                if result is not None:
+                    record = {"version": version, "episodes": result.episodes, "success": result.success,
+                              "reward": result.reward, "reward_ci": list(result.reward_ci),
+                              "success_ci": list(result.success_ci), "invalid_action_frac": result.invalid_action_frac}
+                    await self.retry.run("report the evaluation", lambda: publish_eval(client, keys, record))
+                    log.info("evaluation at version %d on %d held-out tasks: success %.3f, reward %.3f", version,
+                             result.episodes, result.success, result.reward)
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self.stop.wait(), 1.0)
 
     async def _watch_env(self) -> None:
         """While the env server is unreachable no new group starts: poll it until it answers."""

@@ -71,6 +71,11 @@ class Keys:
         return f"{self.prefix}:counts"
 
     @property
+    def evals(self) -> str:
+        """Stream of evaluation results on held-out tasks (one JSON record per evaluation)."""
+        return f"{self.prefix}:eval"
+
+    @property
     def members(self) -> str:
         """Hash: member id -> last heartbeat record."""
         return f"{self.prefix}:members"

@@ -108,8 +108,8 @@ class ActorConfig(Section):
     """Turns per episode at most (the env may end it sooner)."""
     max_seq_len: int = Field(256, ge=16)
     """Context window of one episode in tokens; the episode ends when it is full."""
-    temperature: float = Field(1.0, gt=0)
-    """Sampling temperature."""
+    temperature: float = Field(1.0, ge=0)
+    """Sampling temperature (0: greedy)."""
     stop: list[str] = Field(default_factory=lambda: ["\n"])
     """Strings that end a turn's generation (kept in the token buffer as sampled)."""
     system_prompt: str = ""
@@ -171,6 +171,11 @@ class LearnerConfig(Section):
     """Checkpoints kept in RUN_DIR/checkpoints."""
     dedup_window: int = Field(100_000, ge=1)
     """Ids of the last this-many groups trained on are remembered (and checkpointed) to skip redeliveries."""
+    eval_every: int = Field(0, ge=0)
+    """Every this many weight versions actor 0 plays learner.eval_tasks held-out tasks greedily; the
+    result lands in metrics.jsonl (eval/...). 0: no evaluation during training."""
+    eval_tasks: int = Field(32, ge=1)
+    """Held-out tasks per evaluation during training (the first ones of the test split)."""
     consumer: str = Field("learner-0", pattern=r"^[A-Za-z0-9_.-]+$")
     """Consumer name in the group; keep it across restarts so the learner re-reads its own pending entries."""
     threads: int = Field(1, ge=1)

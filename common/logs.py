@@ -6,6 +6,7 @@ import logging
 import sys
 
 
-def setup_logging(role: str, level: str = "INFO") -> None:
+def setup_logging(role: str, level: str = "INFO", stream=None) -> None:
+    """Log lines to `stream` (stdout by default; commands whose output is data log to stderr)."""
     fmt = f"%(asctime)s {role}[%(process)d] %(levelname)s %(name)s: %(message)s"
-    logging.basicConfig(level=level.upper(), format=fmt, datefmt="%H:%M:%S", stream=sys.stdout, force=True)
+    logging.basicConfig(level=level.upper(), format=fmt, datefmt="%H:%M:%S", stream=stream or sys.stdout, force=True)

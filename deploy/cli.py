@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from common.cli import add_config_args
+from common.config import EnvConfig
 
 
 def _run_parser(sub) -> None:
@@ -26,6 +27,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--redis-url", help="the run's Redis (redis.url)")
     p.add_argument("--run", help="the run's name (redis.run)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p = sub.add_parser("eval", help="play the held-out tasks of envs: success rate and mean reward with 95%% CIs")
+    add_config_args(p)
+    from deploy.evaluate import add_args as add_eval_args
+
+    add_eval_args(p)
+    p = sub.add_parser("tasks", help="task files")
+    tasks = p.add_subparsers(dest="tasks_command", required=True)
+    p = tasks.add_parser("make", help="write DIR/train.parquet and DIR/test.parquet for an env")
+    p.add_argument("--env", required=True, help="env name")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--num-tasks", type=int, default=EnvConfig().num_tasks,
+                   help="task indices 0..N-1, for envs whose spec does not say (default: env.num_tasks's default)")
+    p.add_argument("--protocol", choices=("id", "env_idx"), help="AgentGym protocol family (env.protocol)")
     p = sub.add_parser("init-model", help="build the tiny Qwen2 model and character tokenizer in DIR")
     p.add_argument("dir")
     p.add_argument("--hidden", type=int, default=128)
@@ -51,6 +65,21 @@ def main(argv: list[str] | None = None) -> None:
         print(init_tiny_model(args.dir, hidden=args.hidden, layers=args.layers))
     elif args.command == "status":
         sys.exit(_status(args))
+    elif args.command == "eval":
+        from common.logs import setup_logging
+        from deploy.evaluate import main as eval_main
+
+        setup_logging("eval", "INFO", sys.stderr)  # stdout is the table or the JSON
+        sys.exit(eval_main(args))
+    elif args.command == "tasks":
+        from envs.tasks import write_task_files
+
+        try:
+            paths = write_task_files(args.env, args.out, args.num_tasks, args.protocol)
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
+        for split, path in paths.items():
+            print(f"{split}: {path}")
     elif args.command == "run":
         from deploy.supervisor import run
 

@@ -1,4 +1,5 @@
-"""Plots of a run's metrics.jsonl: reward, throughput and staleness per learner step."""
+"""Plots of a run's metrics.jsonl: reward, throughput and staleness per learner step, and the
+evaluations on held-out tasks when the run made some (learner.eval_every)."""
 
 from __future__ import annotations
 
@@ -17,19 +18,33 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path) -> Path:
     steps = [r["step"] for r in rows]
     panels = [("reward/mean", "mean reward"), ("perf/tokens_per_s", "trained tokens/s"),
               ("staleness/mean", "mean staleness (versions)")]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.5))
+    evals = [r for r in rows if "eval/reward" in r]
+    fig, axes = plt.subplots(1, len(panels) + bool(evals), figsize=(5 * (len(panels) + bool(evals)), 3.5))
     for ax, (key, title) in zip(axes, panels):
         values = [r.get(key, float("nan")) for r in rows]
         ax.plot(steps, values, alpha=0.4, label="per step")
         ax.plot(steps, _rolling_mean(values, 10), label="mean of 10")
-        ax.legend(loc="best", fontsize=8)
-        ax.set_title(title)
-        ax.set_xlabel("learner step")
-        ax.grid(alpha=0.3)
+        _finish(ax, title)
+    if evals:
+        ax = axes[-1]
+        x = [r["step"] for r in evals]
+        for key, label in (("eval/reward", "mean reward"), ("eval/success", "success rate")):
+            ci = [r[f"{key}_ci"] for r in evals]
+            y = [r[key] for r in evals]
+            ax.errorbar(x, y, yerr=[[v - c[0] for v, c in zip(y, ci)], [c[1] - v for v, c in zip(y, ci)]],
+                        fmt="o-", capsize=3, label=label)
+        _finish(ax, "held-out tasks, greedy (95% CI)")
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
     return Path(out_path)
+
+
+def _finish(ax, title: str) -> None:
+    ax.legend(loc="best", fontsize=8)
+    ax.set_title(title)
+    ax.set_xlabel("learner step")
+    ax.grid(alpha=0.3)
 
 
 def _rolling_mean(values: list[float], window: int) -> list[float]:

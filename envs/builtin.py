@@ -32,7 +32,7 @@ class LettersEnv(Env):
     def reset(self, task_idx: int) -> str:
         rng = random.Random(task_idx)
         self.targets = [rng.choice(self.alphabet) for _ in range(self.turns)]
-        self.turn = 0
+        self.turn, self.total = 0, 0.0
         return self._prompt()
 
     @staticmethod
@@ -47,8 +47,16 @@ class LettersEnv(Env):
             raise RuntimeError("step after the episode ended")
         reward = self.score(action, self.targets[self.turn]) / self.turns
         self.turn += 1
+        self.total += reward
         done = self.turn >= self.turns
-        return StepResult("\n" + ("" if done else self._prompt()), reward, done)
+        return StepResult("\n" + ("" if done else self._prompt()), reward, done,
+                          {"success": done and self.total >= 1.0 - 1e-6})
 
     def observation(self) -> str:
         return self._prompt() if self.targets and self.turn < self.turns else ""
+
+    def oracle_action(self) -> str:
+        return self.targets[self.turn]
+
+    def random_action(self, rng: random.Random) -> str:
+        return rng.choice(self.alphabet)

@@ -23,6 +23,7 @@ from typing import Awaitable, Callable, TypeVar
 from redis.exceptions import ResponseError
 
 from broker.connection import connect
+from broker.evals import last_eval_id, read_evals
 from broker.keys import Keys
 from broker.membership import Membership
 from broker.retry import RetryPolicy
@@ -61,6 +62,8 @@ class BrokerBridge:
         self.dead_letters: dict[str, int] = {}
         self.in_flight: set[tuple[int, str]] = set()
         self.reported_dead: set[str] = set()
+        self.evals: list[dict] = []  # evaluation results not yet in a step record
+        self._evals_after = "0"
         self._loop = asyncio.new_event_loop()
         self._stop = threading.Event()
         self._ready = threading.Event()
@@ -132,6 +135,7 @@ class BrokerBridge:
     async def _main(self) -> None:
         for consumer in self.consumers:
             await self.retry.run("XGROUP CREATE", consumer.ensure_group)
+        self._evals_after = await self.retry.run("read evaluations", lambda: last_eval_id(self.client, self.keys))
         self._ready.set()
         tasks = [asyncio.create_task(self._reader(c)) for c in self.consumers]
         tasks.append(asyncio.create_task(self._janitor()))
@@ -196,6 +200,9 @@ class BrokerBridge:
                     if not _stream_gone(exc):
                         raise  # else Redis lost its data: the reader creates the group again
             await self._watch_members()
+            records, self._evals_after = await self.retry.run(
+                "read evaluations", lambda: read_evals(self.client, self.keys, self._evals_after))
+            self.evals.extend(records)
 
     async def _tidy(self, consumer: RolloutConsumer) -> None:
         cfg = self.cfg

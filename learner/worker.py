@@ -148,6 +148,7 @@ class Learner:
                     self._commit(bridge, trainer)
                 step_times.append(time.monotonic())
                 dt = step_times[1] - step_times[0]
+                record.update(self._evals(bridge))
                 record.update({"perf/step_s": dt, "perf/groups_per_s": len(batch) / dt,
                                "perf/tokens_per_s": record["batch/generated_tokens"] / dt,
                                "batch/group_ids": [d.group.group_id for d in batch]})
@@ -166,6 +167,14 @@ class Learner:
             return 128 + self.stopped_by
         log.info("learner done at step %d, version %d", self.state.step, self.state.version)
         return 0
+
+    @staticmethod
+    def _evals(bridge: BrokerBridge) -> dict:
+        """The newest evaluation that arrived since the last step, as eval/* metrics."""
+        newest = None
+        while bridge.evals:  # the bridge thread appends; pop is atomic
+            newest = bridge.evals.pop(0)
+        return {f"eval/{k}": v for k, v in newest.items()} if newest else {}
 
     def _step(self, trainer: Trainer, bridge: BrokerBridge, groups: list[RolloutGroup]) -> dict:
         lcfg = self.cfg.learner

@@ -24,6 +24,7 @@ from common.messages import decode_group
 from envs.base import StepResult, register_env
 from envs.builtin import LettersEnv
 from envs.server import EnvServer, serve
+from envs.tasks import task_split
 
 pytestmark = pytest.mark.redis
 
@@ -50,7 +51,7 @@ class ScriptedEngine:
         self.answer = tokenizer.encode("a\n", add_special_tokens=False)
         self.loaded: list[str] = []
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int) -> Generation:
+    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None) -> Generation:
         await asyncio.sleep(0.005)
         ids = self.answer[:max_tokens]
         return Generation(ids, [-0.5] * len(ids), "stop")
@@ -82,7 +83,7 @@ def test_env_failures_cost_groups_not_the_actor(redis_server_url, run_name, tiny
         consumer = RolloutConsumer(client, keys, "learner-0")
         await consumer.ensure_group()
         await store.publish(0, 0, b"weights-0")
-        trained, step = [], 0
+        trained, tasks, step = [], set(), 0
 
         async def learn(groups: int) -> None:  # B groups a step, a version a step
             nonlocal step
@@ -90,7 +91,9 @@ def test_env_failures_cost_groups_not_the_actor(redis_server_url, run_name, tiny
             while len(trained) < target:
                 assert not actor_task.done(), actor_task
                 entries = await consumer.read(cfg.learner.groups_per_step, block_ms=200)
-                trained.extend(decode_group(e.data).group_id for e in entries)
+                groups = [decode_group(e.data) for e in entries]
+                trained.extend(g.group_id for g in groups)
+                tasks.update(int(g.task_id) for g in groups)
                 await consumer.ack([e.id for e in entries])
                 while len(trained) >= (step + 1) * cfg.learner.groups_per_step:
                     step += 1
@@ -107,10 +110,10 @@ def test_env_failures_cost_groups_not_the_actor(redis_server_url, run_name, tiny
         await runner.cleanup()
         counts = await group_counts(client, keys)
         await client.aclose()
-        return actor, counts, before_restart, trained
+        return actor, counts, before_restart, trained, tasks
 
     with caplog.at_level(logging.INFO):
-        actor, counts, before_restart, trained = asyncio.run(scenario())
+        actor, counts, before_restart, trained, tasks = asyncio.run(scenario())
     print(counts)
     assert "unreachable: no new groups until it answers" in caplog.text
     assert "answers: starting groups again" in caplog.text
@@ -122,6 +125,8 @@ def test_env_failures_cost_groups_not_the_actor(redis_server_url, run_name, tiny
     assert counts["produced"] >= len(trained)
     assert dict(actor.failed) == {k: v for k, v in counts["failed"].items() if k != "actor_lost"}
     assert engine.loaded  # the actor applied published versions
+    train, test = task_split(cfg.env)
+    assert tasks <= set(train) and not tasks & set(test)  # no test task is ever trained on
 
 
 def test_a_version_rotated_out_before_the_fetch_makes_the_actor_fetch_the_newest(redis_server_url, run_name, caplog,

@@ -1,0 +1,112 @@
+"""Evaluation on held-out tasks: a policy plays the test split, and the success rate and the
+mean reward come with 95% confidence intervals (Wilson for the rate, normal for the mean).
+
+Policies: `model` (the engine, greedy by default), `oracle` and `random` (our env servers'
+/oracle and /random: the ceiling and the floor to read a model's figures against).
+Used by `omrl eval` and, every `learner.eval_every` versions, by actor 0 during training.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import math
+from typing import Sequence
+
+from actors.engine import Engine, Generation
+from actors.episode import EpisodeSetup, Policy, Turn, run_episode
+from common.messages import Sample
+from envs.client import EnvError
+
+Z95 = 1.959964
+
+
+class PinnedModelPolicy:
+    """The engine at a fixed temperature, on the weight version the caller holds (the caller
+    keeps the weight gate for the whole evaluation, so every episode runs on one version)."""
+
+    def __init__(self, engine: Engine, version: int, temperature: float = 0.0):
+        self.engine, self.version, self.temperature = engine, version, temperature
+
+    async def act(self, tokens: list[int], budget: int, env_id: int) -> Turn:
+        return Turn(await self.engine.generate(tokens, budget, self.temperature), self.version)
+
+
+class ServerPolicy:
+    """The env server's own policy (`oracle` or `random`): the action comes from the server; its
+    text goes into the token buffer as if generated (log-prob 0, version -1)."""
+
+    def __init__(self, setup: EpisodeSetup, kind: str):
+        if kind not in ("oracle", "random"):
+            raise ValueError(f"unknown server policy {kind!r}: oracle or random")
+        self.setup, self.kind = setup, kind
+
+    async def act(self, tokens: list[int], budget: int, env_id: int) -> Turn:
+        env = self.setup.env
+        action = await (env.oracle_action(env_id) if self.kind == "oracle" else env.random_action(env_id))
+        ids = self.setup.tokenizer.encode(action + "\n", add_special_tokens=False)
+        return Turn(Generation(ids, [0.0] * len(ids), "stop"), -1, action=action)
+
+
+@dataclasses.dataclass
+class EvalResult:
+    env: str
+    policy: str
+    episodes: int
+    success: float
+    success_ci: tuple[float, float]
+    reward: float
+    reward_ci: tuple[float, float]
+    invalid_action_frac: float
+    turns: float
+
+    @classmethod
+    def of(cls, env: str, policy: str, samples: Sequence[Sample]) -> "EvalResult":
+        n = len(samples)
+        wins = sum(s.success for s in samples)
+        rewards = [s.reward for s in samples]
+        mean = sum(rewards) / n
+        sd = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1)) if n > 1 else 0.0
+        half = Z95 * sd / math.sqrt(n)
+        turns = sum(s.num_turns for s in samples)
+        return cls(env, policy, n, wins / n, wilson(wins, n), mean, (mean - half, mean + half),
+                   sum(s.invalid_actions for s in samples) / max(1, turns), turns / n)
+
+    def row(self) -> str:
+        return (f"{self.env:<14} {self.policy:<7} {self.episodes:>8}  {self.success:5.3f} "
+                f"[{self.success_ci[0]:.3f}, {self.success_ci[1]:.3f}]  {self.reward:6.3f} "
+                f"[{self.reward_ci[0]:.3f}, {self.reward_ci[1]:.3f}]  {self.invalid_action_frac:6.3f}")
+
+
+TABLE_HEADER = (f"{'env':<14} {'policy':<7} {'episodes':>8}  {'success [95% CI]':<22} {'reward [95% CI]':<24} "
+                f"invalid")
+
+
+def wilson(wins: int, n: int) -> tuple[float, float]:
+    """95% Wilson score interval of a success rate."""
+    if n == 0:
+        return (0.0, 1.0)
+    p = wins / n
+    denom = 1 + Z95 ** 2 / n
+    centre = (p + Z95 ** 2 / (2 * n)) / denom
+    half = Z95 * math.sqrt(p * (1 - p) / n + Z95 ** 2 / (4 * n * n)) / denom
+    return (max(0.0, centre - half), min(1.0, centre + half))
+
+
+async def evaluate(setup: EpisodeSetup, policy: Policy, tasks: Sequence[int], policy_name: str,
+                   concurrency: int = 64) -> EvalResult:
+    """One episode per task, at most `concurrency` at once; an env failure raises (EnvError)."""
+    if not tasks:
+        raise ValueError("no tasks to evaluate")
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(task_idx: int) -> Sample:
+        async with limit:
+            return await run_episode(setup, policy, task_idx)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            episodes = [tg.create_task(one(t)) for t in tasks]
+    except* EnvError as errors:  # the first env failure cancels the rest
+        raise errors.exceptions[0] from None
+    return EvalResult.of(setup.env_name, policy_name, [e.result() for e in episodes])

@@ -1,0 +1,125 @@
+"""`omrl eval`: a model (or the oracle, or the random policy) plays the test split of one or
+more envs; one table row per env (success rate and mean reward with 95% CIs), and JSON.
+
+Each env is served by our env server in this process, unless --env-url names a server
+someone else started (an AgentGym one, say).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+from pathlib import Path
+
+from common.cli import config_from_args
+from common.config import Config
+
+log = logging.getLogger("omrl.eval")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--env", action="append", required=True, help="env name (repeatable: one table row each)")
+    p.add_argument("--model", help="model path or hub id (model.path); needed for --policy model")
+    p.add_argument("--policy", choices=("model", "oracle", "random"), default="model",
+                   help="model: the model; oracle and random: our env server's own (the ceiling and the floor)")
+    p.add_argument("--env-url", help="an env server someone else started (one --env only)")
+    p.add_argument("--tasks", help="task files directory (env.tasks); default: the env's held-out tasks")
+    p.add_argument("--episodes", type=int, default=100, help="test tasks to play, from the start of the split")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of the table")
+    p.add_argument("--out", help="also write the JSON here")
+
+
+def main(args: argparse.Namespace) -> int:
+    extra = [f"model.path={json.dumps(args.model)}"] if args.model else []
+    cfg = config_from_args(args, extra)
+    if args.env_url and len(args.env) > 1:
+        raise SystemExit("error: --env-url names one server: give one --env with it")
+    if args.policy == "model" and not cfg.model.path:
+        raise SystemExit("error: --policy model needs --model PATH (or model.path)")
+    if args.episodes < 1:
+        raise SystemExit("error: --episodes must be at least 1")
+    results = asyncio.run(_evaluate_all(cfg, args))
+    rows = [dataclasses.asdict(r) for r in results]
+    text = json.dumps(rows, indent=2)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+    if args.json:
+        print(text)
+    else:
+        from actors.evaluate import TABLE_HEADER
+
+        print(TABLE_HEADER)
+        for r in results:
+            print(r.row())
+    return 0
+
+
+async def _evaluate_all(cfg: Config, args: argparse.Namespace):
+    import aiohttp
+
+    from actors.evaluate import PinnedModelPolicy, ServerPolicy, evaluate
+    from actors.episode import EpisodeSetup
+    from actors.templates import make_template
+    from envs.client import EnvClient
+    from envs.specs import spec_for
+    from envs.tasks import task_split
+
+    engine = _engine(cfg) if args.policy == "model" else None
+    tokenizer = engine.tokenizer if engine else _tokenizer(cfg)
+    results = []
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
+            for name in args.env:
+                env_cfg = cfg.env.model_copy(update={"name": name, "tasks": args.tasks or cfg.env.tasks})
+                _train, test = task_split(env_cfg)
+                tasks = list(test)[:args.episodes]
+                async with _env_server(name, cfg, args.env_url) as url:
+                    client = EnvClient(url, session, cfg.env.timeout_s, spec_for(name, cfg.env.protocol))
+                    setup = EpisodeSetup(client, tokenizer, cfg.actor, make_template(cfg.actor.action_template), name)
+                    policy = (PinnedModelPolicy(engine, version=0, temperature=args.temperature) if engine
+                              else ServerPolicy(setup, args.policy))
+                    log.info("evaluating %s on %d held-out tasks of %s", args.policy, len(tasks), name)
+                    results.append(await evaluate(setup, policy, tasks, args.policy))
+    finally:
+        if engine is not None:
+            engine.shutdown()
+    return results
+
+
+@contextlib.asynccontextmanager
+async def _env_server(name: str, cfg: Config, url: str | None):
+    if url:
+        yield url
+        return
+    from broker.embedded import free_port
+    from envs.server import EnvServer, serve
+
+    port = free_port()
+    options = cfg.env.options if name == cfg.env.name else {}
+    runner = await serve(EnvServer(name, options), "127.0.0.1", port)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def _engine(cfg: Config):
+    from actors.engine import VLLMEngine
+
+    return VLLMEngine(cfg.model, cfg.actor, cfg.model.path, seed=cfg.actor.seed)
+
+
+def _tokenizer(cfg: Config):
+    """For the oracle and random policies: the model's tokenizer, or the tiny one."""
+    if cfg.model.path:
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(cfg.model.path)
+    from common.models import build_char_tokenizer
+
+    return build_char_tokenizer()
