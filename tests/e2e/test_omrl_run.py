@@ -38,7 +38,8 @@ def omrl(*args: str, **kw) -> subprocess.Popen:
 def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    proc = omrl("run", "--run-dir", str(run_dir))
+    # The default run, plus an evaluation on 16 held-out tasks every 40 versions.
+    proc = omrl("run", "--run-dir", str(run_dir), "--set", "learner.eval_every=40", "--set", "learner.eval_tasks=16")
     out, _ = proc.communicate(timeout=850)
     elapsed = time.monotonic() - started
     print(out[-4000:])
@@ -66,6 +67,12 @@ def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
     for log in sorted((run_dir / "logs").glob("actor*.log")):
         assert log.read_text().count("applied weight version") >= 2, log
     assert (run_dir / "metrics.png").stat().st_size > 0
+    # Evaluations at versions 0, 40, 80, ... reached the learner's step records.
+    evals = [r for r in rows if "eval/reward" in r]
+    assert len(evals) >= 3 and [r["eval/version"] for r in evals][:2] == [0, 40], evals
+    assert all(r["eval/episodes"] == 16 and 0 <= r["eval/success"] <= 1 for r in evals)
+    assert evals[-1]["eval/reward"] > evals[0]["eval/reward"]  # greedy on held-out tasks, it learned too
+    assert all(r["actor/invalid_action_frac"] == 0 for r in rows)  # the raw template parses everything
     assert processes_mentioning(str(run_dir)) == []
 
 

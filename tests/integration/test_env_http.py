@@ -1,20 +1,23 @@
 """The env server and the async client over real HTTP on a loopback port."""
 
 import asyncio
+import time
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from broker.embedded import free_port
+from envs.base import StepResult, register_env
+from envs.builtin import LettersEnv
 from envs.client import EnvClient, EnvError, EnvTimeout, EnvUnreachable
 from envs.server import EnvServer, serve
 
 
-def with_server(scenario, **server_kw):
+def with_server(scenario, env="letters", **server_kw):
     async def main():
         port = free_port()
-        server = EnvServer("letters", {"turns": 2, "alphabet": "ab"}, **server_kw)
+        server = EnvServer(env, {"turns": 2, "alphabet": "ab"}, **server_kw)
         runner = await serve(server, "127.0.0.1", port)
         try:
             async with aiohttp.ClientSession() as session:
@@ -161,3 +164,65 @@ def test_answers_that_are_not_json_are_env_errors():
         with pytest.raises(EnvError, match="HTTP 502: the answer is not JSON"):
             await client.step(1, "a")
     with_scripted_server(scenario, {"/step": html})
+
+
+@register_env("slow_or_crashing_test")
+class SlowOrCrashing(LettersEnv):
+    """`letters`, except that task 0 blocks for a second in every step (a JVM call, say) and
+    task 1 crashes in its first step."""
+
+    def reset(self, task_idx: int) -> str:
+        self.task_idx = task_idx
+        return super().reset(task_idx)
+
+    def step(self, action: str) -> StepResult:
+        if self.task_idx == 0:
+            time.sleep(1.0)
+        if self.task_idx == 1:
+            raise ValueError("the simulator fell over")
+        return super().step(action)
+
+
+def test_a_blocking_env_does_not_stall_the_others_and_a_crash_costs_one_instance():
+    async def scenario(client, session, port, server):
+        slow, crashing, fine = [await client.create() for _ in range(3)]
+        for env_id, task in ((slow, 0), (crashing, 1), (fine, 2)):
+            await client.reset(env_id, task)
+        slow_step = asyncio.create_task(client.step(slow, "a"))
+        await asyncio.sleep(0.1)
+        started = time.monotonic()
+        await client.step(fine, "a")  # answered while the slow one blocks its worker thread
+        fast = time.monotonic() - started
+        with pytest.raises(EnvError, match="HTTP 500: env .* crashed in step: ValueError: the simulator fell over"):
+            await client.step(crashing, "a")
+        with pytest.raises(EnvError, match="HTTP 404"):
+            await client.step(crashing, "a")  # the crashed instance was freed
+        await slow_step
+        assert fast < 0.5
+        counts = await client.health()
+        assert "2 open" in counts and "3 created" in counts and "1 failed" in counts
+        async with session.get(f"http://127.0.0.1:{port}/stats") as resp:
+            stats = await resp.json()
+        assert (stats["open"], stats["created"], stats["failed"]) == (2, 3, 1)
+    with_server(scenario, env="slow_or_crashing_test")
+
+
+def test_past_the_cap_create_answers_503_with_retry_after():
+    async def scenario(client, session, port, server):
+        await client.create()
+        await client.create()
+        async with session.post(f"http://127.0.0.1:{port}/create", json={}) as resp:
+            assert resp.status == 503 and resp.headers["Retry-After"] == "1"
+            assert "the limit is 2" in (await resp.json())["error"]
+    with_server(scenario, max_envs=2)
+
+
+def test_oracle_and_random_actions_over_http():
+    async def scenario(client, session, port, server):
+        env_id = await client.create()
+        obs = (await client.reset(env_id, 7)).observation
+        assert await client.oracle_action(env_id) == obs[-1]
+        assert await client.random_action(env_id) in "ab"
+        result = await client.step(env_id, await client.oracle_action(env_id))
+        assert result.reward == pytest.approx(0.5) and "success" in result.info
+    with_server(scenario)
