@@ -67,9 +67,10 @@ def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
     for log in sorted((run_dir / "logs").glob("actor*.log")):
         assert log.read_text().count("applied weight version") >= 2, log
     assert (run_dir / "metrics.png").stat().st_size > 0
-    # Evaluations at versions 0, 40, 80, ... reached the learner's step records.
+    # Evaluations at the first version, then every 40, reached the learner's step records.
     evals = [r for r in rows if "eval/reward" in r]
-    assert len(evals) >= 3 and [r["eval/version"] for r in evals][:2] == [0, 40], evals
+    versions = [r["eval/version"] for r in evals]
+    assert len(evals) >= 3 and versions[0] < 40 <= versions[1] and versions == sorted(versions), versions
     assert all(r["eval/episodes"] == 16 and 0 <= r["eval/success"] <= 1 for r in evals)
     assert evals[-1]["eval/reward"] > evals[0]["eval/reward"]  # greedy on held-out tasks, it learned too
     assert all(r["actor/invalid_action_frac"] == 0 for r in rows)  # the raw template parses everything
