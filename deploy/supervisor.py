@@ -188,6 +188,27 @@ def _wait_redis(port: int) -> Callable[[Process], None]:
     return ready
 
 
+def check(cfg: Config) -> None:
+    """What the config names must exist: fail here, in one line, before anything starts."""
+    from actors.templates import make_template
+    from envs.rewards import check_weights
+    from envs.tasks import task_split
+
+    try:
+        make_template(cfg.actor.action_template)
+        check_weights(cfg.actor.rewards)
+        task_split(cfg.env)
+        if not cfg.env.url:
+            from envs.base import ENVS
+            import envs.builtin  # noqa: F401  (registers the built-in envs)
+
+            if cfg.env.name not in ENVS:
+                raise ValueError(f"unknown env {cfg.env.name!r} for the built-in env server: choose one of "
+                                 f"{sorted(ENVS)} (env.name), or set env.url to a server of yours")
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
+
+
 def prepare(cfg: Config) -> Config:
     """Fill in what the embedded default provides: the tiny model, the env port."""
     from broker.embedded import free_port
@@ -220,6 +241,7 @@ def run(args: argparse.Namespace) -> int:
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     (run_dir / "redis").mkdir(exist_ok=True)
+    check(cfg)
     cfg = prepare(cfg)
 
     stopping = False

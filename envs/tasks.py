@@ -37,10 +37,12 @@ def read_tasks(path: str | Path, env_name: str | None = None) -> list[int]:
     """The task indices of a task file; with `env_name`, refuse a file of another env."""
     import pyarrow.parquet as pq
 
+    if not Path(path).is_file():
+        raise ValueError(f"task file {path} does not exist (env.tasks): write it with `omrl tasks make`")
     try:
         table = pq.read_table(path, columns=["env", "task_idx"])
     except (OSError, KeyError) as exc:
-        raise ValueError(f"task file {path}: {exc} (write one with `omrl tasks make`)") from None
+        raise ValueError(f"task file {path} is not a task file ({exc}): write it with `omrl tasks make`") from None
     envs = set(table.column("env").to_pylist())
     if env_name is not None and envs - {env_name}:
         raise ValueError(f"task file {path} holds tasks of {sorted(envs)}, not of env.name={env_name!r}")
