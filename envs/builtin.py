@@ -60,3 +60,10 @@ class LettersEnv(Env):
 
     def random_action(self, rng: random.Random) -> str:
         return rng.choice(self.alphabet)
+
+
+# The suite of small envs that need their observations (one module each).
+import envs.calculator  # noqa: E402,F401
+import envs.grid_nav  # noqa: E402,F401
+import envs.guess_number  # noqa: E402,F401
+import envs.word_guess  # noqa: E402,F401
