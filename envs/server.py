@@ -114,7 +114,8 @@ class EnvServer:
 
     async def _call(self, env_id: int, what: str, call: Callable[[Env], T]) -> T:
         """Run `call(env)` in a worker thread, one call at a time per instance. A RuntimeError
-        is the env refusing the request (409), NotImplementedError a method it lacks (404);
+        is the env refusing the request (409; `{id}` in its message becomes the instance's id, as
+        AgentGym's messages name it), NotImplementedError a method it lacks (404);
         anything else is a crash: the instance is freed and the client gets 500."""
         inst = self._instance(env_id)
         async with inst.lock:
@@ -125,7 +126,7 @@ class EnvServer:
             except NotImplementedError as exc:  # (a RuntimeError too) the env has no such method
                 raise RequestError(404, str(exc)) from None
             except RuntimeError as exc:
-                raise RequestError(409, str(exc)) from None
+                raise RequestError(409, str(exc).replace("{id}", str(env_id))) from None
             except Exception as exc:  # noqa: BLE001 - a crash costs this instance, never the server
                 self.stats["failed"] += 1
                 log.exception("env %d crashed in %s: freeing it", env_id, what)

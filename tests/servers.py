@@ -110,3 +110,43 @@ def tls_acl_server(binary: str, workdir: Path, user: str, password: str) -> Iter
         yield tls_port
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def env_server_process(env: str, *settings: str) -> Iterator[str]:
+    """`omrl env-server --env ENV` as its own process on a free port; yields its URL."""
+    import sys
+
+    port = free_port()
+    args = [sys.executable, "-m", "deploy.cli", "env-server", "--env", env, "--port", str(port)]
+    for setting in settings:
+        args += ["--set", setting]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while http_json("GET", url) is None:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"env server for {env} did not start: {proc.stderr.read().decode()[-2000:]}")
+            time.sleep(0.2)
+        yield url
+    finally:
+        os.killpg(proc.pid, 15)
+        proc.wait(timeout=30)
+
+
+def http_json(method: str, url: str, body: dict | None = None) -> tuple[int, object] | None:
+    """(status, JSON answer) of one request, or None when nothing listens at `url`."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read())
+    except (ConnectionError, urllib.error.URLError):
+        return None
