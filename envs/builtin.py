@@ -69,3 +69,4 @@ import envs.guess_number  # noqa: E402,F401
 import envs.word_guess  # noqa: E402,F401
 import envs.babyai  # noqa: E402,F401
 import envs.textcraft  # noqa: E402,F401
+import envs.sciworld  # noqa: E402,F401

@@ -110,7 +110,11 @@ class EnvClient:
 
     async def reset(self, env_id: int, task_idx: int) -> StepResult:
         body = await self._request("POST", "/reset", json={self.key: env_id, **self.spec.reset_body(task_idx)})
-        return StepResult(observation_of(body, "POST /reset"), self._reward(body), False, _fields(body))
+        observation = observation_of(body, "POST /reset")
+        prefix = body.get(self.spec.reset_prefix) if self.spec.reset_prefix and isinstance(body, dict) else None
+        if isinstance(prefix, str):
+            observation = prefix + "\n" + observation
+        return StepResult(observation, self._reward(body), False, _fields(body))
 
     async def step(self, env_id: int, action: str) -> StepResult:
         """The answer as a StepResult; `reward` is the spec's reward field, scaled (a running

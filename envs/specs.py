@@ -40,6 +40,9 @@ class EnvSpec:
     """Task indices are 0..num_tasks-1 (None: env.num_tasks from the config)."""
     test_from: int | None = None
     """Indices from this one on are held out for evaluation (None: the last tenth)."""
+    reset_prefix: str | None = None
+    """A /reset answer field AgentGym's client puts before the first observation, with a newline
+    (sciworld: `task_description`)."""
     clean_action: bool = False
     """AgentGym's client keeps only letters, digits, commas and spaces of the action (babyai, textcraft)."""
 
@@ -79,7 +82,7 @@ SPECS: dict[str, EnvSpec] = {s.name: s for s in [
     EnvSpec("textcraft", create_body={}, success="full_reward", num_tasks=544, test_from=500,
             clean_action=True),
     EnvSpec("sciworld", reward_field="score", reward_scale=0.01, reward_is_total=True, success="full_reward",
-            num_tasks=4639, test_from=4175),
+            num_tasks=4639, test_from=4175, reset_prefix="task_description"),
     EnvSpec("alfworld", task_field="game", reset_extra=(("world_type", "Text"),), success="full_reward",
             num_tasks=2620, test_from=2420),
     EnvSpec("maze", task_field="game"),
