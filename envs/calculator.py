@@ -1,17 +1,19 @@
 """`calculator`: a product too hard to guess, a calculator tool, and one answer.
 
 Each task (seeded by its index) is a product `a*b` of two numbers in 2..`top`, shown as
-`37*12=`. The action `c` calls the calculator, which answers with the product (`444`);
-an action of digits is the answer, which ends the episode. Calling the calculator earns
-`call_reward` once; the answer earns the rest (1 - call_reward) times the fraction of its
-digits in the right place, so the exact product earns it all. Nothing else is an action
-(answered `?`). The tool's output is the way to the answer: the model has to call it and
-copy what it says.
+`37*12=`. An action starting with `c` calls the calculator, which answers with the product
+(`444`); an action starting with a digit answers with its leading digits, which ends the
+episode. Calling the calculator earns `call_reward` once; the answer earns the rest
+(1 - call_reward) times the fraction of its digits in the right place, so the exact
+product earns it all. Anything else is answered `?`. The tool's output is the way to the
+answer: the model has to call it and copy what it says. (Actions are read by their start,
+so that a model learning from scratch finds the two actions often enough to learn them.)
 """
 
 from __future__ import annotations
 
 import random
+import re
 
 from envs.base import Env, StepResult, register_env
 
@@ -44,12 +46,13 @@ class CalculatorEnv(Env):
             raise RuntimeError("step after the episode ended")
         self.turn += 1
         text = action.strip()
-        if text.isdigit():
+        if text[:1].isdigit():
+            text = re.match(r"[0-9]+", text).group()
             self.done, self.last = True, ""
             right = sum(x == y for x, y in zip(text, self.answer)) / max(len(text), len(self.answer))
             return StepResult("", (1.0 - self.call_reward) * right, True, {"success": text == self.answer})
         reward = 0.0
-        if text == "c":
+        if text.startswith("c"):
             reward, self.called = (0.0 if self.called else self.call_reward), True
             self.last = self.answer
         else:

@@ -2,10 +2,11 @@
 
 Each task (seeded by its index) hides a word of `length` letters from `alphabet`. The first
 observation is the word's length as dots (`..`); each guess is answered letter by letter:
-`=` the letter is right there, `-` it is not. Finding the word at turn t earns
-`1 - penalty * (t - 1)` (at least 0.1); not finding it within `turns` guesses earns 0. The
-feedback is what makes it solvable: keep the letters marked `=`, change the others; a
-policy that ignores it does no better than guessing.
+`=` the letter is right there, `-` it is not. Each position earns `0.5 / length` the first
+time it is marked `=`; finding the whole word at turn t earns another
+`0.5 * (1 - penalty * (t - 1))` (at least 0.05), so an episode earns at most 1 and
+partial progress counts. The feedback is what makes it solvable: keep the letters marked
+`=`, change the others; a policy that ignores it does no better than guessing.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ class WordGuessEnv(Env):
         self.length, self.alphabet, self.turns, self.penalty = length, alphabet, turns, penalty
         self.secret = ""
         self.known: list[set[str]] = []  # per position: letters ruled out (the oracle's memory)
+        self.found: set[int] = set()  # positions marked `=` so far
         self.turn, self.done = 0, True
         self.last = ""
 
@@ -32,6 +34,7 @@ class WordGuessEnv(Env):
         rng = random.Random(task_idx)
         self.secret = "".join(rng.choice(self.alphabet) for _ in range(self.length))
         self.known = [set() for _ in range(self.length)]
+        self.found = set()
         self.turn, self.done = 0, False
         self.last = "." * self.length
         return self.last
@@ -41,9 +44,13 @@ class WordGuessEnv(Env):
             raise RuntimeError("step after the episode ended")
         self.turn += 1
         guess = action.strip().lower()
+        right = {i for i in range(self.length) if guess[i:i + 1] == self.secret[i]}
+        reward = 0.5 * len(right - self.found) / self.length
+        self.found |= right
         if guess == self.secret:
             self.done, self.last = True, "=" * self.length
-            return StepResult(self.last, max(0.1, 1.0 - self.penalty * (self.turn - 1)), True, {"success": True})
+            reward += 0.5 * max(0.1, 1.0 - self.penalty * (self.turn - 1))
+            return StepResult(self.last, reward, True, {"success": True})
         marks = []
         for i in range(self.length):
             letter = guess[i] if i < len(guess) else ""
@@ -55,7 +62,7 @@ class WordGuessEnv(Env):
                     self.known[i].add(letter)
         self.last = "".join(marks)
         self.done = self.turn >= self.turns
-        return StepResult(self.last, 0.0, self.done, {"success": False})
+        return StepResult(self.last, reward, self.done, {"success": False})
 
     def observation(self) -> str:
         return self.last

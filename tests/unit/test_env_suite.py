@@ -86,7 +86,17 @@ def test_feedback_texts():
     assert obs[0] in "ew" and obs[2] in "ns"
     calc = make_env("calculator")
     assert calc.reset(1).endswith("=")
-    assert calc.step("c").observation == calc.answer
+    call = calc.step("c?")  # read by its start
+    assert call.observation == calc.answer and call.reward == pytest.approx(0.2)
+    assert calc.step("c").reward == 0  # the call earns once
+    answer = calc.step(calc.answer + "x")
+    assert answer.done and answer.info["success"] and answer.reward == pytest.approx(0.8)
     word = make_env("word_guess")
     assert word.reset(2) == ".."
     assert set(word.step("zz").observation) == {"-"}
+    half = word.secret[0] + ("z" if word.secret[1] != "z" else "y")
+    first = word.step(half)
+    assert first.observation == "=-" and first.reward == pytest.approx(0.25)
+    assert word.step(half).reward == 0  # a position earns once
+    last = word.step(word.secret)
+    assert last.info["success"] and last.reward == pytest.approx(0.25 + 0.5 * (1 - 0.2 * 3))
