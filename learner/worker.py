@@ -165,8 +165,19 @@ class Learner:
             log.info("stopped by signal %d at step %d, version %d (committed)", self.stopped_by, self.state.step,
                      self.state.version)
             return 128 + self.stopped_by
-        log.info("learner done at step %d, version %d", self.state.step, self.state.version)
+        final = self._save_final(trainer)
+        log.info("learner done at step %d, version %d; the trained model is in %s (omrl eval --model %s)",
+                 self.state.step, self.state.version, final, final)
         return 0
+
+    def _save_final(self, trainer: Trainer) -> Path:
+        """The trained weights with the tokenizer, as a Hugging Face model directory."""
+        from transformers import AutoTokenizer
+
+        final = Path(self.cfg.run.run_dir) / "final"
+        trainer.model.save_pretrained(final, safe_serialization=True)
+        AutoTokenizer.from_pretrained(self.cfg.model.path).save_pretrained(final)
+        return final
 
     @staticmethod
     def _evals(bridge: BrokerBridge) -> dict:

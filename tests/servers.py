@@ -150,3 +150,28 @@ def http_json(method: str, url: str, body: dict | None = None) -> tuple[int, obj
         return error.code, json.loads(error.read())
     except (ConnectionError, urllib.error.URLError):
         return None
+
+
+def post_ok(url: str, path: str, body: dict) -> dict:
+    """POST to an env server; the JSON answer, which must be a 200."""
+    status, answer = http_json("POST", url + path, body)
+    assert status == 200, (path, body, status, answer)
+    return answer
+
+
+def oracle_eval(env: str, url: str, episodes: int, *settings: str, timeout: float = 300) -> dict:
+    """`omrl eval --policy oracle` against the server at `url`: its JSON result."""
+    import json
+    import sys
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "eval.json"
+        args = [sys.executable, "-m", "deploy.cli", "eval", "--env", env, "--env-url", url, "--policy", "oracle",
+                "--episodes", str(episodes), "--out", str(out)]
+        for setting in settings:
+            args += ["--set", setting]
+        done = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+        assert done.returncode == 0, done.stderr[-3000:]
+        [result] = json.loads(out.read_text())
+    return result

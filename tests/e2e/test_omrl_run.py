@@ -1,7 +1,7 @@
 """The whole system through `omrl run`: real processes, the embedded Redis, the env server,
 two vLLM actors on CPU and the learner, on the default tiny model."""
 
-import math
+import json
 import os
 import signal
 import subprocess
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from common.metrics import read_jsonl
+from tests.e2e.learning import fifths
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.redis]
 
@@ -51,15 +52,10 @@ def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
     for key in ("step", "reward/mean", "weight_version", "staleness/mean", "perf/tokens_per_s"):
         assert all(key in r for r in rows), key
     rewards = [r["reward/mean"] for r in rows]
-    k = len(rows) // 5
-    first, last = rewards[:k], rewards[-k:]
-    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    var = lambda xs: sum((x - mean(xs)) ** 2 for x in xs) / (len(xs) - 1)  # noqa: E731
-    gain = mean(last) - mean(first)
-    stderr = math.sqrt(var(first) / k + var(last) / k)
-    print(f"reward first fifth {mean(first):.3f}, last fifth {mean(last):.3f}, gain {gain:.3f} (se {stderr:.3f})")
-    assert gain >= 0.3, rewards
-    assert gain > 5 * stderr, rewards  # far beyond what step-to-step noise explains
+    reward = fifths(rows, "reward/mean")
+    print(f"reward {reward}")
+    assert reward.gain >= 0.3, rewards
+    assert reward.gain > 5 * reward.stderr, rewards  # far beyond what step-to-step noise explains
 
     # Tokens the actors generated carry the weight version they ran on: actors applied new versions.
     versions_used = {v for r in rows for v in (r["batch/version_min"], r["batch/version_max"])}
@@ -75,6 +71,16 @@ def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
     assert evals[-1]["eval/reward"] > evals[0]["eval/reward"]  # greedy on held-out tasks, it learned too
     assert all(r["actor/invalid_action_frac"] == 0 for r in rows)  # the raw template parses everything
     assert processes_mentioning(str(run_dir)) == []
+
+    # The trained model, saved at the end, evaluated greedily on the held-out tasks.
+    final = run_dir / "final"
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "eval", "--model", str(final), "--env", "letters",
+                           "--episodes", "64", "--out", str(tmp_path / "eval.json")],
+                          capture_output=True, text=True, timeout=300)
+    print(done.stdout[-1000:])
+    assert done.returncode == 0, done.stderr[-3000:]
+    [result] = json.loads((tmp_path / "eval.json").read_text())
+    assert result["episodes"] == 64 and result["reward"] > evals[0]["eval/reward"] + 0.2, result
 
 
 @pytest.mark.timeout(300)

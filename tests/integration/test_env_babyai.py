@@ -3,13 +3,11 @@ oracle through our client and `omrl eval`; the refusals AgentGym's server gives.
 
 import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.servers import env_server_process, http_json
+from tests.servers import env_server_process, http_json, oracle_eval, post_ok
 
 pytest.importorskip("minigrid", reason="the babyai extra is not installed (pip install openmanus-rl[babyai])")
 pytestmark = pytest.mark.babyai
@@ -23,39 +21,33 @@ def server():
         yield url
 
 
-def post(url: str, path: str, body: dict) -> dict:
-    status, answer = http_json("POST", url + path, body)
-    assert status == 200, (path, body, status, answer)
-    return answer
-
-
 def test_replays_agentgym_servers_answers_exactly(server):
     """40 episodes (one per level, oracle, random and refused actions) recorded from
     AgentGym's babyai server: every observation, reward, score and done flag agrees."""
     recorded = json.loads(gzip.open(RECORDED, "rt").read())
     steps = 0
     for episode in recorded["episodes"]:
-        env_id = post(server, "/create", {})["id"]
-        got = post(server, "/reset", {"id": env_id, "data_idx": episode["data_idx"]})
+        env_id = post_ok(server, "/create", {})["id"]
+        got = post_ok(server, "/reset", {"id": env_id, "data_idx": episode["data_idx"]})
         for field in ("observation", "reward", "score", "done"):
             assert got[field] == episode["reset"][field], (episode["data_idx"], field)
         for t, want in enumerate(episode["steps"]):
-            got = post(server, "/step", {"id": env_id, "action": want["action"]})
+            got = post_ok(server, "/step", {"id": env_id, "action": want["action"]})
             for field in ("observation", "reward", "score", "done"):
                 assert got[field] == want[field], (episode["data_idx"], t, want["action"], field)
             steps += 1
-        post(server, "/close", {"id": env_id})
+        post_ok(server, "/close", {"id": env_id})
     assert steps > 300 and sum(e["steps"][-1]["done"] for e in recorded["episodes"]) >= 20
 
 
 def test_refusals_name_the_instance(server):
-    env_id = post(server, "/create", {})["id"]
-    first = post(server, "/reset", {"id": env_id, "data_idx": 0})["observation"]
+    env_id = post_ok(server, "/create", {})["id"]
+    first = post_ok(server, "/reset", {"id": env_id, "data_idx": 0})["observation"]
     assert first.startswith("Your goal: go to the red ball\n") and '"turn left"' in first
     done = False
     for _ in range(20):
         action = http_json("GET", f"{server}/oracle?id={env_id}")[1]["action"]
-        answer = post(server, "/step", {"id": env_id, "action": action})
+        answer = post_ok(server, "/step", {"id": env_id, "action": action})
         if answer["done"]:
             done = True
             break
@@ -66,14 +58,8 @@ def test_refusals_name_the_instance(server):
     assert status == 404 and "error" in unknown
 
 
-def test_oracle_solves_held_out_tasks_through_our_client(server, tmp_path):
-    out = tmp_path / "eval.json"
-    done = subprocess.run([sys.executable, "-m", "deploy.cli", "eval", "--env", "babyai", "--env-url", server,
-                           "--policy", "oracle", "--episodes", "20", "--out", str(out),
-                           "--set", "actor.max_turns=64", "--set", "actor.max_seq_len=100000"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    [result] = json.loads(out.read_text())
+def test_oracle_solves_held_out_tasks_through_our_client(server):
+    result = oracle_eval("babyai", server, 20, "actor.max_turns=64", "actor.max_seq_len=100000")
     assert result["episodes"] == 20 and result["success"] >= 0.9, result
     stats = http_json("GET", server + "/stats")[1]
     assert stats["failed"] == 0

