@@ -36,6 +36,19 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> dict:
+    report = measure(args)
+    summary = report["summary"]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+    print(f"median over {args.repeats} repeats; env server / baseline: requests/s x{summary['ratio_requests_per_s']['median']:.2f}"
+          f" (range {summary['ratio_requests_per_s']['min']:.2f}-{summary['ratio_requests_per_s']['max']:.2f}), "
+          f"p99 x{summary['ratio_p99_ms']['median']:.2f}")
+    return report
+
+
+def measure(args: argparse.Namespace) -> dict:
+    """Our env server and the baseline, alternated `args.repeats` times: every run and a
+    summary (median, min, max of each figure and of the ratios)."""
     from broker.embedded import free_port
 
     results: dict[str, list[dict]] = {"env_server": [], "baseline": []}
@@ -56,13 +69,7 @@ def main(args: argparse.Namespace) -> dict:
     summary = {kind: _summary(runs) for kind, runs in results.items()}
     summary["ratio_requests_per_s"] = _ratio(results, "requests_per_s")
     summary["ratio_p99_ms"] = _ratio(results, "p99_ms")
-    report = {"env": args.env, "episodes": args.episodes, "seconds": args.seconds, "runs": results, "summary": summary}
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"median over {args.repeats} repeats; env server / baseline: requests/s x{summary['ratio_requests_per_s']['median']:.2f}"
-          f" (range {summary['ratio_requests_per_s']['min']:.2f}-{summary['ratio_requests_per_s']['max']:.2f}), "
-          f"p99 x{summary['ratio_p99_ms']['median']:.2f}")
-    return report
+    return {"env": args.env, "episodes": args.episodes, "seconds": args.seconds, "runs": results, "summary": summary}
 
 
 async def _load(port: int, args: argparse.Namespace) -> dict:

@@ -32,6 +32,10 @@ def main(argv: list[str] | None = None) -> None:
     from deploy.evaluate import add_args as add_eval_args
 
     add_eval_args(p)
+    p = sub.add_parser("bench", help="throughput benchmarks, each against a baseline in the same run")
+    from benchmarks.run import add_args as add_bench_args
+
+    add_bench_args(p)
     p = sub.add_parser("tasks", help="task files")
     tasks = p.add_subparsers(dest="tasks_command", required=True)
     p = tasks.add_parser("make", help="write DIR/train.parquet and DIR/test.parquet for an env")
@@ -71,6 +75,10 @@ def main(argv: list[str] | None = None) -> None:
 
         setup_logging("eval", "INFO", sys.stderr)  # stdout is the table or the JSON
         sys.exit(eval_main(args))
+    elif args.command == "bench":
+        from benchmarks.run import main as bench_main
+
+        sys.exit(bench_main(args))
     elif args.command == "tasks":
         from envs.tasks import write_task_files
 

@@ -1,0 +1,61 @@
+"""`omrl bench NAME [--quick] [--out DIR]`: run benchmarks, each a ratio of the system's
+path against a baseline measured in the same run; OUT/NAME.json and OUT/NAME.png per
+benchmark, and OUT/table.md for `all`.
+
+A benchmark is a module in BENCHMARKS with `run(quick) -> {"rows": [...], ...}` (each row:
+measure, system, baseline, ratio {median, min, max}) and `plot(result, path)`. `--quick`
+runs each in seconds, as a smoke test of the figures' shape, never of a speed."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import platform
+import time
+from pathlib import Path
+
+BENCHMARKS = {"env": "benchmarks.env"}
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("name", choices=[*BENCHMARKS, "all"], help="the benchmark, or all of them")
+    p.add_argument("--quick", action="store_true", help="seconds per benchmark: a smoke test, not a measurement")
+    p.add_argument("--out", default="bench-results", help="directory for NAME.json, NAME.png and table.md")
+
+
+def main(args: argparse.Namespace) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(BENCHMARKS) if args.name == "all" else [args.name]
+    results = {}
+    for name in names:
+        module = importlib.import_module(BENCHMARKS[name])
+        started = time.monotonic()
+        result = module.run(args.quick)
+        result.update(name=name, quick=args.quick, seconds=time.monotonic() - started, machine=machine())
+        (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
+        module.plot(result, out / f"{name}.png")
+        results[name] = result
+        print(f"{name}: {out / f'{name}.json'}, {out / f'{name}.png'} ({result['seconds']:.0f} s)")
+    table = markdown_table(results)
+    print(table)
+    if args.name == "all":
+        (out / "table.md").write_text(table)
+    return 0
+
+
+def machine() -> str:
+    import os
+
+    return f"{platform.machine()}, {os.cpu_count()} CPUs, Python {platform.python_version()}"
+
+
+def markdown_table(results: dict[str, dict]) -> str:
+    lines = ["| benchmark | measure | system | baseline | system / baseline (median, range) |", "|---|---|---|---|---|"]
+    for name, result in results.items():
+        for row in result["rows"]:
+            r = row["ratio"]
+            lines.append(f"| {name} | {row['measure']} | {row['system']:,.0f} | {row['baseline']:,.0f} | "
+                         f"x{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,33 @@
+"""`omrl bench --quick` as a smoke test: every benchmark writes well-formed figures, a
+plot and (for `all`) the markdown table. It checks shapes, never a speed."""
+
+import json
+import subprocess
+import sys
+
+from benchmarks.run import BENCHMARKS
+
+
+def test_bench_all_quick_writes_json_plots_and_table(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "all", "--quick", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = 0
+    for name in BENCHMARKS:
+        result = json.loads((tmp_path / f"{name}.json").read_text())
+        assert result["name"] == name and result["quick"] is True and result["machine"]
+        assert result["rows"], name
+        for row in result["rows"]:
+            ratio = row["ratio"]
+            assert row["system"] > 0 and row["baseline"] > 0, row
+            assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"], row
+        rows += len(result["rows"])
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    table = (tmp_path / "table.md").read_text().splitlines()
+    assert table[0].startswith("| benchmark |") and len(table) == 2 + rows
+
+
+def test_an_unknown_benchmark_is_refused_with_the_choices():
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "nope"], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 2 and "invalid choice: 'nope'" in done.stderr and "env" in done.stderr
