@@ -185,6 +185,12 @@ class Admission:
         return int(await self._commit(keys=[k.tickets_held, k.tickets_lost, k.tickets_accepted, k.counts],
                                       args=[ticket]))
 
+    async def commit_in(self, pipe, ticket: str) -> None:
+        """Queue the commit in a MULTI/EXEC pipeline (beside the group's XADD: both or neither)."""
+        k = self.keys
+        await self._commit(keys=[k.tickets_held, k.tickets_lost, k.tickets_accepted, k.counts], args=[ticket],
+                           client=pipe)
+
     async def release(self, ticket: str, reason: str) -> bool:
         """The ticket's group failed or was cancelled: the ticket comes back, counted under `reason`."""
         return bool(await self._release(keys=[self.keys.tickets_held, self.keys.counts], args=[ticket, reason]))

@@ -16,6 +16,7 @@ import time
 from typing import Any, Container, NamedTuple
 
 import redis.asyncio as aioredis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from broker.admission import Admission
@@ -73,18 +74,23 @@ class RolloutProducer:
         await self._buffer.join()
 
     async def run(self) -> None:
-        """The flusher: runs until cancelled."""
+        """The flusher: runs until cancelled. With one stream (the run's hash tag, like the
+        tickets) the XADD and the ticket's commit are one MULTI/EXEC: a producer killed
+        between them can never leave a group in the stream whose ticket comes back as lost."""
         while True:
             data, ticket = await self._buffer.get()
             stream = self.keys.rollouts(next(self._shards))
-            await self.retry.run("XADD to the rollouts stream", lambda: self._add(stream, data))
+            together = (ticket is not None and self.admission is not None and self.keys.shards == 1
+                        and not isinstance(self.client, RedisCluster))
+            await self.retry.run("XADD to the rollouts stream",
+                                 lambda: self._add(stream, data, ticket if together else None))
             if ticket is not None:
-                if self.admission is not None:
+                if self.admission is not None and not together:
                     await self.retry.run("commit the admission ticket", lambda: self.admission.commit(ticket))
                 self.tickets.discard(ticket)
             self._buffer.task_done()
 
-    async def _add(self, stream: str, data: bytes) -> str:
+    async def _add(self, stream: str, data: bytes, ticket: str | None = None) -> str:
         started = time.monotonic()
         logged = False
         while not self.ignore_bound and await self.client.xlen(stream) >= self.max_len:
@@ -93,7 +99,13 @@ class RolloutProducer:
                 logged = True
             await asyncio.sleep(self.poll_s)
         self.waited_s += time.monotonic() - started
-        return _id(await self.client.xadd(stream, {PAYLOAD_FIELD: data}))
+        if ticket is None:
+            return _id(await self.client.xadd(stream, {PAYLOAD_FIELD: data}))
+        async with self.client.pipeline(transaction=True) as pipe:
+            pipe.xadd(stream, {PAYLOAD_FIELD: data})
+            await self.admission.commit_in(pipe, ticket)
+            entry_id, _committed = await pipe.execute()
+        return _id(entry_id)
 
 
 class RolloutConsumer:

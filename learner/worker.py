@@ -144,15 +144,17 @@ class Learner:
                 record = self._step(trainer, bridge, [d.group for d in batch])
                 self.uncommitted += batch
                 self.seen.add(d.group.group_id for d in batch)
-                if self.state.step % lcfg.checkpoint_every == 0 or self.state.step == lcfg.steps:
-                    self._commit(bridge, trainer)
                 step_times.append(time.monotonic())
                 dt = step_times[1] - step_times[0]
                 record.update(self._evals(bridge))
                 record.update({"perf/step_s": dt, "perf/groups_per_s": len(batch) / dt,
                                "perf/tokens_per_s": record["batch/generated_tokens"] / dt,
                                "batch/group_ids": [d.group.group_id for d in batch]})
+                # The record before the checkpoint: a crash between them trains the step again and
+                # writes its record twice (the last one counts), never a checkpointed step without one.
                 sink.write(record)
+                if self.state.step % lcfg.checkpoint_every == 0 or self.state.step == lcfg.steps:
+                    self._commit(bridge, trainer)
                 log.info("step %d reward %.3f groups/s %.2f tokens/s %.0f version %d staleness %.2f",
                          self.state.step, record["reward/mean"], record["perf/groups_per_s"],
                          record["perf/tokens_per_s"], self.state.version, record["staleness/mean"])

@@ -1,6 +1,7 @@
 """`omrl run` on each real env with the tiny model: our env server, one vLLM actor and the
 learner, three steps. The model is untrained, so its actions are mostly refused by the env;
-what is checked is that every group is valid: trained, none failed, none dead-lettered."""
+what is checked is that every group is valid: trained, none failed (but those the end of the
+run cancels), none dead-lettered."""
 
 import json
 import shutil
@@ -39,4 +40,5 @@ def test_three_steps_of_valid_groups(env, package, tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["batch/groups"] == 4 and r["batch/generated_tokens"] > 0 for r in rows)
     books = json.loads((run_dir / "accounting.json").read_text())
-    assert books["failed"] == {} and books["dead_lettered"] == {} and books["trained"] == 12, books
+    # Groups still running when the learner reached its steps are cancelled by the stop: the only failure allowed.
+    assert set(books["failed"]) <= {"cancelled"} and books["dead_lettered"] == {} and books["trained"] == 12, books
