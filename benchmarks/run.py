@@ -15,7 +15,7 @@ import platform
 import time
 from pathlib import Path
 
-BENCHMARKS = {"env": "benchmarks.env"}
+BENCHMARKS = {"broker": "benchmarks.broker", "env": "benchmarks.env"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
