@@ -11,11 +11,12 @@ means the project adds nothing to what Redis costs."""
 from __future__ import annotations
 
 import asyncio
-import statistics
 import time
 import uuid
 
 import numpy as np
+
+from benchmarks.common import pyplot, ratios, spread
 
 SIZES = {"16KB": 16 << 10, "256KB": 256 << 10, "4MB": 4 << 20}
 PRODUCERS = (1, 4, 16)
@@ -109,7 +110,7 @@ async def _raw(url: str, blob: bytes, n: int, producers: int) -> float:
     return n / elapsed
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, device: str = "cpu") -> dict:
     from broker.embedded import EmbeddedRedis, find_redis_server
     from common.messages import encode_group
 
@@ -128,9 +129,9 @@ def run(quick: bool) -> dict:
                     runs["with_codec"].append(asyncio.run(_system(server.url, group, n, producers, codec=True)))
                     runs["raw"].append(asyncio.run(_raw(server.url, blob, n, producers)))
                 point = {"size": label, "bytes": len(blob), "groups": n, "producers": producers,
-                         **{k: _spread(v) for k, v in runs.items()}}
+                         **{k: spread(v) for k, v in runs.items()}}
                 for kind in ("transport", "with_codec"):
-                    point[f"ratio_{kind}"] = _spread([a / b for a, b in zip(runs[kind], runs["raw"])])
+                    point[f"ratio_{kind}"] = ratios(runs[kind], runs["raw"])
                 points.append(point)
                 print(f"broker {label:>5} x{producers:<2} groups/s: transport {point['transport']['median']:8.1f}  "
                       f"with codec {point['with_codec']['median']:8.1f}  raw {point['raw']['median']:8.1f}", flush=True)
@@ -140,16 +141,8 @@ def run(quick: bool) -> dict:
     return {"points": points, "rows": rows}
 
 
-def _spread(values: list[float]) -> dict:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
-
-
 def plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     sizes = list(dict.fromkeys(p["size"] for p in result["points"]))
     fig, axes = plt.subplots(1, len(sizes), figsize=(4.5 * len(sizes), 3.8), squeeze=False)
     for ax, size in zip(axes[0], sizes):

@@ -10,12 +10,13 @@ from __future__ import annotations
 import argparse
 
 from benchmarks import env_server
+from benchmarks.common import pyplot
 
 CONCURRENCY = (1, 8, 64, 256, 512)
 QUICK_CONCURRENCY = (1, 8)
 
 
-def run(quick: bool) -> dict:
+def run(quick: bool, device: str = "cpu") -> dict:
     envs = ("letters",) if quick else ("letters", "babyai")
     points = []
     for env in envs:
@@ -31,11 +32,7 @@ def run(quick: bool) -> dict:
 
 
 def plot(result: dict, path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (rate, p99) = plt.subplots(1, 2, figsize=(11, 4))
     for env in sorted({p["env"] for p in result["points"]}):
         points = [p for p in result["points"] if p["env"] == env]

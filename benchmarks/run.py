@@ -2,9 +2,10 @@
 path against a baseline measured in the same run; OUT/NAME.json and OUT/NAME.png per
 benchmark, and OUT/table.md for `all`.
 
-A benchmark is a module in BENCHMARKS with `run(quick) -> {"rows": [...], ...}` (each row:
-measure, system, baseline, ratio {median, min, max}) and `plot(result, path)`. `--quick`
-runs each in seconds, as a smoke test of the figures' shape, never of a speed."""
+A benchmark is a module in BENCHMARKS with `run(quick, device) -> {"rows": [...], ...}` (each
+row: measure, system, baseline, ratio {median, min, max}; benchmarks/common.py builds them)
+and `plot(result, path)`. `--quick` runs each in seconds, as a smoke test of the figures'
+shape, never of a speed. `--device cuda` runs the model-bearing benchmarks on a GPU."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import argparse
 import importlib
 import json
 import platform
+import sys
 import time
 from pathlib import Path
 
@@ -22,18 +24,27 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", choices=[*BENCHMARKS, "all"], help="the benchmark, or all of them")
     p.add_argument("--quick", action="store_true", help="seconds per benchmark: a smoke test, not a measurement")
     p.add_argument("--out", default="bench-results", help="directory for NAME.json, NAME.png and table.md")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="where models run (learner, engine, weights); cuda needs a GPU and OMRL_EXTRA=gpu's vLLM")
 
 
 def main(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            print("error: --device cuda: torch sees no GPU here (torch.cuda.is_available() is False); "
+                  "run on a GPU machine set up with OMRL_EXTRA=gpu, or leave --device out", file=sys.stderr)
+            return 2
     names = list(BENCHMARKS) if args.name == "all" else [args.name]
     results = {}
     for name in names:
         module = importlib.import_module(BENCHMARKS[name])
         started = time.monotonic()
-        result = module.run(args.quick)
-        result.update(name=name, quick=args.quick, seconds=time.monotonic() - started, machine=machine())
+        result = module.run(args.quick, args.device)
+        result.update(name=name, quick=args.quick, device=args.device, seconds=time.monotonic() - started, machine=machine())
         (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
         module.plot(result, out / f"{name}.png")
         results[name] = result
