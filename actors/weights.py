@@ -9,6 +9,7 @@ import contextlib
 import logging
 import os
 import tempfile
+import time
 from typing import AsyncIterator, Awaitable, Callable
 
 from broker.retry import RetryPolicy
@@ -24,18 +25,30 @@ class WeightGate:
         self._in_flight = 0
         self._updating = False
         self._cond = asyncio.Condition()
+        self._busy_s = 0.0  # seconds with at least one generate call in flight, up to _busy_since
+        self._busy_since = 0.0
+
+    @property
+    def generating_s(self) -> float:
+        """Seconds so far during which at least one generate call was in flight (the engine was
+        busy): the rest of an actor's time its engine was idle."""
+        return self._busy_s + (time.monotonic() - self._busy_since if self._in_flight else 0.0)
 
     @contextlib.asynccontextmanager
     async def generating(self) -> AsyncIterator[int]:
         """Hold while a generate call runs; yields the weight version it runs on."""
         async with self._cond:
             await self._cond.wait_for(lambda: not self._updating)
+            if not self._in_flight:
+                self._busy_since = time.monotonic()
             self._in_flight += 1
         try:
             yield self.version
         finally:
             async with self._cond:
                 self._in_flight -= 1
+                if not self._in_flight:
+                    self._busy_s += time.monotonic() - self._busy_since
                 self._cond.notify_all()
 
     async def apply(self, version: int, load: Callable[[], Awaitable[None]]) -> None:

@@ -8,6 +8,15 @@ and the loop goes on; while the env server is unreachable, no new group starts u
 answers again. On SIGTERM the groups in flight may finish for `actor.drain_s` (the rest are
 cancelled, their tickets returned as `cancelled`), then the finished groups have
 `actor.flush_s` of their own to reach Redis.
+
+With `learner.mode = "async"` a receiver applies each new weight version as it is published,
+between generate calls. With `"sync"` there is no receiver: a group, once admitted, first
+loads the newest version (admission lets a round of groups start only once the learner has
+published the version that trained on the round before), so every group runs on the
+learner's current weights.
+
+Every `actor.metrics_s` the actor appends its counters to RUN_DIR/actors/NAME.jsonl, among
+them `actor/generating_s`: the time its engine had a generate call in flight.
 """
 
 from __future__ import annotations
@@ -19,6 +28,7 @@ import logging
 import os
 import random
 import signal
+import shutil
 import socket
 import tempfile
 import time
@@ -41,6 +51,7 @@ from broker.streams import RolloutProducer
 from broker.weights import WeightStore
 from common.config import Config
 from common.messages import CodecError, RolloutGroup, encode_group
+from common.metrics import JsonlSink
 from envs.client import EnvClient, EnvError
 from envs.rewards import check_weights
 from envs.specs import spec_for
@@ -87,13 +98,16 @@ class Actor:
         self.running: set[str] = set()  # tickets of the groups running now
         self._tokens_per_s = 0.0
         self.in_flight = 0  # episodes running now
+        self._weights_lock = asyncio.Lock()
+        # Sync mode: an admitted group first loads the version its round was admitted for.
+        self._before_group = self._load_newest_weights if cfg.learner.mode == "sync" else _nothing
 
     async def run(self) -> None:
         cfg = self.cfg
         keys = Keys(cfg.redis.run, cfg.redis.shards)
         client = connect(cfg.redis)
         self.retry = RetryPolicy(attempts=cfg.redis.retry_attempts)
-        self.admission = Admission(client, keys, cfg.learner.groups_per_step, cfg.learner.eta,
+        self.admission = Admission(client, keys, cfg.learner.groups_per_step, cfg.learner.versions_ahead,
                                    cfg.learner.publish_every, cfg.redis.ticket_ttl_s)
         returned = await self.retry.run("return the tickets of an earlier process",
                                         lambda: self.admission.release_predecessors(self.name, self.incarnation))
@@ -109,20 +123,22 @@ class Actor:
         # Until here a signal ends the process at once (it holds nothing); from here it drains.
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, self.stop.set)
-        store = WeightStore(client, keys)
+        self.store = WeightStore(client, keys)
         self.gate = WeightGate(version=0)
+        self.weights_dir = tempfile.mkdtemp(prefix="omrl-weights-")
         try:
-            with tempfile.TemporaryDirectory(prefix="omrl-weights-") as tmp:  # start on the current version
-                await apply_newest(store, self.gate, self.engine.load_weights, tmp, self.retry)
+            await self._load_newest_weights()  # start on the current version
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
                 self.env = EnvClient(cfg.env.base_url, session, cfg.env.timeout_s, self.spec)
                 self.setup = EpisodeSetup(self.env, self.tokenizer, cfg.actor, self.template, cfg.env.name)
                 self.policy = ModelPolicy(self.engine, self.gate)
                 self.env_up.set()
                 async with asyncio.TaskGroup() as tg:
-                    tg.create_task(receive_weights(store, self.gate, self.engine.load_weights,
-                                                   cfg.actor.weight_poll_s, self.stop, self.retry))
+                    if cfg.learner.mode == "async":
+                        tg.create_task(receive_weights(self.store, self.gate, self.engine.load_weights,
+                                                       cfg.actor.weight_poll_s, self.stop, self.retry))
                     tg.create_task(self._progress())
+                    tg.create_task(self._write_metrics())
                     tg.create_task(self._heartbeat())
                     tg.create_task(self._watch_env())
                     flusher = tg.create_task(self.producer.run())  # if it fails, the actor fails
@@ -133,6 +149,7 @@ class Actor:
         finally:
             await client.aclose()
             self.engine.shutdown()
+            shutil.rmtree(self.weights_dir, ignore_errors=True)
         log.info("stopped after %d groups (%d failed: %s)", self.groups, sum(self.failed.values()),
                  dict(self.failed) or "none")
 
@@ -148,6 +165,7 @@ class Actor:
                 return
             task_idx = self.rng.choice(self.train_tasks)
             try:
+                await self._before_group()
                 group = await self._run_group(task_idx)
                 data = encode_group(group)
             except (GroupFailed, CodecError) as exc:  # CodecError: the group is over the size limit
@@ -160,6 +178,12 @@ class Actor:
             self.running.discard(ticket)
             self.groups += 1
             self.tokens += sum(int(s.loss_mask.sum()) for s in group.samples)
+
+    async def _load_newest_weights(self) -> None:
+        """Apply the newest published version if the engine runs an older one (one load at a
+        time: concurrent callers find it applied)."""
+        async with self._weights_lock:
+            await apply_newest(self.store, self.gate, self.engine.load_weights, self.weights_dir, self.retry)
 
     async def _run_group(self, task_idx: int) -> RolloutGroup:
         """G episodes of one task; the first env failure cancels the others and fails the group."""
@@ -277,6 +301,22 @@ class Actor:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), self.cfg.actor.heartbeat_s)
 
+    async def _write_metrics(self) -> None:
+        """Counters every actor.metrics_s to RUN_DIR/actors/NAME.jsonl (wall-clock `time`, so
+        they line up with the learner's metrics.jsonl)."""
+        sink = JsonlSink(os.path.join(self.cfg.run.run_dir, "actors", f"{self.name}.jsonl"))
+        try:
+            while not self.stop.is_set():
+                sink.write({"time": time.time(), "actor/generating_s": self.gate.generating_s,
+                            "actor/groups": self.groups, "actor/gen_tokens": self.tokens,
+                            "actor/groups_failed": sum(self.failed.values()),
+                            "actor/weight_version": self.gate.version, "actor/in_flight_episodes": self.in_flight,
+                            "actor/waited_on_tickets_s": self.admission.waited_s})
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(self.stop.wait(), self.cfg.actor.metrics_s)
+        finally:
+            sink.close()
+
     async def _progress(self, every_s: float = 10.0) -> None:
         last = (time.monotonic(), 0, 0)
         while not self.stop.is_set():
@@ -291,6 +331,10 @@ class Actor:
                      self.gate.applied, self.in_flight, sum(self.failed.values()), self.producer.waited_s,
                      self.admission.waited_s, self.producer.buffered)
             last = (now, self.groups, self.tokens)
+
+
+async def _nothing() -> None:
+    pass
 
 
 async def _wait_either(event: asyncio.Event, stop: asyncio.Event) -> bool:

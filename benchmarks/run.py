@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCHMARKS = {"broker": "benchmarks.broker", "env": "benchmarks.env"}
+BENCHMARKS = {"broker": "benchmarks.broker", "pipeline": "benchmarks.pipeline", "env": "benchmarks.env"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

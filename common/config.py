@@ -126,6 +126,8 @@ class ActorConfig(Section):
     """How often an actor checks for a new weight version."""
     heartbeat_s: float = Field(2.0, gt=0)
     """How often an actor sends a heartbeat."""
+    metrics_s: float = Field(1.0, gt=0)
+    """How often an actor appends its counters to RUN_DIR/actors/NAME.jsonl."""
     drain_s: float = Field(5.0, ge=0)
     """On stop, how long groups in flight may run before they are cancelled (reason cancelled)."""
     flush_s: float = Field(5.0, ge=0)
@@ -133,6 +135,10 @@ class ActorConfig(Section):
 
 
 class LearnerConfig(Section):
+    mode: Literal["async", "sync"] = "async"
+    """async: actors generate while the learner trains, up to learner.eta versions ahead; sync: the
+    synchronous baseline: generate a batch with the current weights, train, publish, and only then
+    generate again (eta is not used; staleness is 0)."""
     steps: int = Field(160, ge=1)
     """Optimizer steps to run, then exit."""
     groups_per_step: int = Field(8, ge=1)
@@ -162,7 +168,7 @@ class LearnerConfig(Section):
     dual_clip: float | None = Field(None, gt=1)
     """Dual-clip constant for negative advantages (None: off)."""
     eta: int = Field(2, ge=0)
-    """Staleness bound: actors start a group only while started < (V + eta + 1) * B."""
+    """Staleness bound (async mode): actors start a group only while started < (V + eta + 1) * B."""
     max_staleness: int = Field(1000, ge=0)
     """Hard cap: groups staler than this (versions) go to the dead letters as `stale`."""
     checkpoint_every: int = Field(1, ge=1)
@@ -182,6 +188,11 @@ class LearnerConfig(Section):
     """torch intra-op threads."""
     seed: int = 0
     """Seed for torch."""
+
+    @property
+    def versions_ahead(self) -> int:
+        """How many versions actors may run ahead of the learner: eta, or 0 in sync mode."""
+        return 0 if self.mode == "sync" else self.eta
 
 
 class SupervisorConfig(Section):

@@ -66,6 +66,7 @@ class LettersEnv(Env):
 import envs.calculator  # noqa: E402,F401
 import envs.grid_nav  # noqa: E402,F401
 import envs.guess_number  # noqa: E402,F401
+import envs.long_tail  # noqa: E402,F401
 import envs.word_guess  # noqa: E402,F401
 import envs.babyai  # noqa: E402,F401
 import envs.textcraft  # noqa: E402,F401

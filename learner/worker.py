@@ -137,7 +137,9 @@ class Learner:
         step_times: deque[float] = deque([time.monotonic()], maxlen=2)
         try:
             while self.state.step < lcfg.steps:
+                waited = time.monotonic()
                 batch = self._next_groups(bridge)
+                waited = time.monotonic() - waited
                 if self.stopping:
                     break
                 self.state.groups_trained += len(batch)
@@ -147,7 +149,8 @@ class Learner:
                 step_times.append(time.monotonic())
                 dt = step_times[1] - step_times[0]
                 record.update(self._evals(bridge))
-                record.update({"perf/step_s": dt, "perf/groups_per_s": len(batch) / dt,
+                record.update({"time": time.time(), "perf/step_s": dt, "perf/wait_s": waited,
+                               "perf/groups_per_s": len(batch) / dt,
                                "perf/tokens_per_s": record["batch/generated_tokens"] / dt,
                                "batch/group_ids": [d.group.group_id for d in batch]})
                 # The record before the checkpoint: a crash between them trains the step again and

@@ -20,6 +20,7 @@ from broker.keys import Keys
 from broker.streams import RolloutConsumer
 from broker.weights import WeightStore
 from common.config import load_config
+from common.metrics import read_jsonl
 from common.messages import decode_group
 from envs.base import StepResult, register_env
 from envs.builtin import LettersEnv
@@ -63,9 +64,10 @@ class ScriptedEngine:
         pass
 
 
-def test_env_failures_cost_groups_not_the_actor(redis_server_url, run_name, tiny_model, caplog):
+def test_env_failures_cost_groups_not_the_actor(redis_server_url, run_name, tiny_model, caplog, tmp_path):
     env_port = free_port()
     cfg = load_config(None, [f'redis.url="{redis_server_url}"', f"redis.run={run_name}", f'model.path="{tiny_model}"',
+                             f'run.run_dir="{tmp_path}"', "actor.metrics_s=0.2",
                              f"env.port={env_port}", "env.name=letters_refusing_test", "env.num_tasks=64",
                              "env.timeout_s=5", "actor.group_size=2", "actor.concurrent_groups=4",
                              "actor.heartbeat_s=0.2", "actor.weight_poll_s=0.05", "learner.groups_per_step=4",
@@ -127,6 +129,15 @@ def test_env_failures_cost_groups_not_the_actor(redis_server_url, run_name, tiny
     assert engine.loaded  # the actor applied published versions
     train, test = task_split(cfg.env)
     assert tasks <= set(train) and not tasks & set(test)  # no test task is ever trained on
+    # The actor's counters, every actor.metrics_s: generating time grows, but the engine was
+    # idle part of the time (the env server was down for 4 s).
+    (path,) = (tmp_path / "actors").glob("*.jsonl")
+    records = read_jsonl(path)
+    wall = records[-1]["time"] - records[0]["time"]
+    generating = [r["actor/generating_s"] for r in records]
+    assert len(records) >= 20 and generating == sorted(generating) and generating[-1] > 0
+    assert generating[-1] - generating[0] < wall - 3.0
+    assert records[-1]["actor/groups"] <= actor.groups and records[-1]["actor/weight_version"] >= 1
 
 
 def test_a_version_rotated_out_before_the_fetch_makes_the_actor_fetch_the_newest(redis_server_url, run_name, caplog,

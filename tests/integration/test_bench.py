@@ -1,5 +1,7 @@
 """`omrl bench --quick` as a smoke test: every benchmark writes well-formed figures, a
-plot and (for `all`) the markdown table. It checks shapes, never a speed."""
+plot and (for `all`) the markdown table. It checks shapes, never a speed; the pipeline's
+runs also check what synchronous mode promises (every group on the learner's current
+weights) and that the async run went ahead of the learner."""
 
 import json
 import subprocess
@@ -23,6 +25,7 @@ def test_bench_all_quick_writes_json_plots_and_table(tmp_path):
             assert 0 < ratio["min"] <= ratio["median"] <= ratio["max"], row
         rows += len(result["rows"])
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    check_pipeline_runs(json.loads((tmp_path / "pipeline.json").read_text())["runs"])
     table = (tmp_path / "table.md").read_text().splitlines()
     assert table[0].startswith("| benchmark |") and len(table) == 2 + rows
 
@@ -31,3 +34,16 @@ def test_an_unknown_benchmark_is_refused_with_the_choices():
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "nope"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 2 and "invalid choice: 'nope'" in done.stderr and "env" in done.stderr
+
+
+def check_pipeline_runs(runs):
+    sync = [r for r in runs if r["mode"] == "sync"]
+    ahead = [r for r in runs if r["mode"] != "sync"]
+    assert sync and ahead
+    for r in runs:
+        assert r["steps"] >= 3 and len(r["rewards"]) == r["steps"]
+        assert 0 <= r["learner_busy"] <= 1 and 0 <= r["actor_idle"] <= 1, r
+        assert sum(r["staleness_hist"].values()) == 8 * r["steps"], r  # every trained group, once
+    # Sync: trained only on the weights the learner held; async: at least one group generated ahead.
+    assert all(set(r["staleness_hist"]) == {"0"} for r in sync), sync
+    assert any(set(r["staleness_hist"]) != {"0"} for r in ahead), ahead

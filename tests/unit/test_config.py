@@ -79,3 +79,10 @@ def test_every_field_is_documented():
 def test_fault_tolerance_settings_are_checked(overrides, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, overrides, environ={})
+
+
+def test_sync_mode_runs_no_version_ahead_and_bad_modes_are_refused():
+    assert load_config(None, ["learner.eta=4"], environ={}).learner.versions_ahead == 4
+    assert load_config(None, ["learner.mode=sync", "learner.eta=4"], environ={}).learner.versions_ahead == 0
+    with pytest.raises(ConfigError, match="learner.mode"):
+        load_config(None, ["learner.mode=lockstep"], environ={})

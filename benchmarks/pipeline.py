@@ -1,0 +1,174 @@
+"""`omrl bench pipeline`: the whole system (`omrl run`: embedded Redis, env server, vLLM
+actors, learner, each its own process) on `long_tail`, an env whose answers take 1 to 64
+letters, heavy-tailed (most groups end after one short turn, a few run sixteen), run
+asynchronously at eta = 1, 2, 4, 8 against the synchronous baseline (`learner.mode =
+"sync"`: generate a batch with the current weights, train, publish, only then generate
+again) with the same engine, learner, model initialisation and steps.
+
+Per run, over the steps after the first fifth (vLLM's start-up is left out): groups
+trained per second, the learner's busy fraction (time not spent waiting for groups), the
+actors' idle fraction (time their engine had no generate call in flight, from
+RUN_DIR/actors/*.jsonl), the staleness histogram, and the mean reward of the last fifth of
+the steps, so speed is compared at equal learning. The ratios are async over sync, run by
+run in the same repetition: above 1, asynchrony trains faster (groups/s) or learns as much
+(reward). The eta sweep runs 2 actors; the actor sweep compares eta = 2 with sync at 1 and
+4 actors.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import pyplot, row
+
+SETTINGS = ["env.name=long_tail", "actor.max_turns=64", "actor.max_seq_len=1024", "run.log_level=WARNING"]
+ETAS = (1, 2, 4, 8)
+STEPS = 30
+REPEATS = 2  # of the eta sweep; the actor sweep runs once
+ACTOR_SWEEP = (1, 4)
+QUICK_STEPS = 3
+
+
+def mode(eta: int | None) -> list[str]:
+    """--set overrides of a configuration: eta None is the synchronous baseline."""
+    return ["learner.mode=sync"] if eta is None else ["learner.mode=async", f"learner.eta={eta}"]
+
+
+def label(eta: int | None) -> str:
+    return "sync" if eta is None else f"eta={eta}"
+
+
+def run_system(root: Path, name: str, eta: int | None, actors: int, steps: int) -> dict:
+    """One `omrl run` to `steps` steps; its figures (see `figures`)."""
+    run_dir = root / name
+    sets = [*SETTINGS, *mode(eta), f"actor.num_actors={actors}"]
+    cmd = [sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir), "--steps", str(steps),
+           *[arg for kv in sets for arg in ("--set", kv)]]
+    started = time.monotonic()
+    with open(root / f"{name}.log", "w") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=30 * 60).returncode
+    if code != 0:
+        tail = (root / f"{name}.log").read_text()[-3000:]
+        raise RuntimeError(f"`omrl run` for {name} exited with {code}:\n{tail}")
+    result = figures(run_dir)
+    result.update(eta=eta, mode=label(eta), actors=actors, wall_s=time.monotonic() - started)
+    print(f"pipeline {name:<18} groups/s {result['groups_per_s']:6.2f}  learner busy {result['learner_busy']:.2f}  "
+          f"actors idle {result['actor_idle']:.2f}  reward {result['reward_last_fifth']:.3f}  "
+          f"staleness {result['staleness_mean']:.2f}  ({result['wall_s']:.0f} s)", flush=True)
+    return result
+
+
+def figures(run_dir: Path) -> dict:
+    """A finished run's figures over the steps after the first fifth."""
+    from common.metrics import read_jsonl
+
+    by_step = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}  # a retrained step: the last line
+    records = [by_step[s] for s in sorted(by_step)]
+    first = max(1, len(records) // 5)
+    start, window = records[first - 1], records[first:]
+    t0, t1 = start["time"], records[-1]["time"]
+    elapsed = t1 - t0
+    staleness = collections.Counter()
+    for r in records:
+        staleness.update({int(k): v for k, v in r["staleness/hist"].items()})
+    idle = [1 - (_at(a, t1) - _at(a, t0)) / elapsed
+            for a in (read_jsonl(p) for p in sorted((run_dir / "actors").glob("*.jsonl")))]
+    rewards = [r["reward/mean"] for r in records]
+    groups = sum(staleness.values())
+    return {"groups_per_s": sum(r["batch/groups"] for r in window) / elapsed,
+            "learner_busy": 1 - sum(r["perf/wait_s"] for r in window) / elapsed,
+            "actor_idle": statistics.mean(idle), "staleness_hist": dict(sorted(staleness.items())),
+            "staleness_mean": sum(k * v for k, v in staleness.items()) / groups,
+            "rewards": rewards, "reward_last_fifth": statistics.mean(rewards[-max(1, len(rewards) // 5):]),
+            "steps": len(records)}
+
+
+def _at(records: list[dict], t: float) -> float:
+    """An actor's generating seconds at wall time t, interpolated between its samples."""
+    return float(np.interp(t, [r["time"] for r in records], [r["actor/generating_s"] for r in records]))
+
+
+def run(quick: bool, device: str = "cpu") -> dict:
+    steps = QUICK_STEPS if quick else STEPS
+    etas, repeats = ((1,), 1) if quick else (ETAS, REPEATS)
+    sweep_actors = 1 if quick else 2
+    runs: list[dict] = []
+    with tempfile.TemporaryDirectory(prefix="omrl-bench-pipeline-") as tmp:
+        root = Path(tmp)
+        for rep in range(repeats):  # sync, then each eta, alternated by repetition
+            for eta in (None, *etas):
+                runs.append({"repeat": rep, **run_system(root, f"{label(eta)}-a{sweep_actors}-r{rep}", eta,
+                                                         sweep_actors, steps)})
+        for actors in () if quick else ACTOR_SWEEP:
+            for eta in (None, 2):
+                runs.append({"repeat": 0, **run_system(root, f"{label(eta)}-a{actors}", eta, actors, steps)})
+    rows = []
+    for actors in sorted({r["actors"] for r in runs}):
+        for eta in sorted({r["eta"] for r in runs if r["actors"] == actors and r["eta"] is not None}):
+            system, baseline = _paired(runs, actors, eta, "groups_per_s")
+            rows.append(row(f"{actors} actors, eta={eta} vs sync: groups trained/s", system, baseline))
+            if not quick and actors == sweep_actors:
+                system, baseline = _paired(runs, actors, eta, "reward_last_fifth")
+                rows.append(row(f"{actors} actors, eta={eta} vs sync: reward, last fifth of {steps} steps",
+                                system, baseline))
+    return {"runs": runs, "rows": rows, "steps": steps, "settings": SETTINGS, "sweep_actors": sweep_actors}
+
+
+def _paired(runs: list[dict], actors: int, eta: int, key: str) -> tuple[list[float], list[float]]:
+    """The figure of eta's runs and of the sync runs of the same repetitions."""
+    mine = {r["repeat"]: r[key] for r in runs if r["actors"] == actors and r["eta"] == eta}
+    sync = {r["repeat"]: r[key] for r in runs if r["actors"] == actors and r["eta"] is None}
+    reps = sorted(mine.keys() & sync.keys())
+    return [mine[k] for k in reps], [sync[k] for k in reps]
+
+
+def plot(result: dict, path) -> None:
+    plt = pyplot()
+    sweep = [r for r in result["runs"] if r["actors"] == result["sweep_actors"]]
+    modes = list(dict.fromkeys(r["mode"] for r in sweep))
+    fig, axes = plt.subplots(1, 4, figsize=(20, 4))
+    speed, reward, busy, stale = axes
+    per_mode = {m: [r for r in sweep if r["mode"] == m] for m in modes}
+    speed.bar(modes, [statistics.median(r["groups_per_s"] for r in per_mode[m]) for m in modes],
+              color=["grey"] + ["C0"] * (len(modes) - 1))
+    for i, m in enumerate(modes):
+        speed.plot([i] * len(per_mode[m]), [r["groups_per_s"] for r in per_mode[m]], "k.")
+    speed.set_title(f"groups trained/s ({sweep[0]['actors']} actors; dots: runs)")
+    for m in modes:
+        rewards = np.mean([r["rewards"] for r in per_mode[m]], axis=0)
+        reward.plot(range(1, len(rewards) + 1), rewards, label=m, lw=2 if m == "sync" else 1)
+    reward.set_title("reward per step (mean over repetitions)")
+    reward.set_xlabel("learner step")
+    reward.legend(fontsize=8)
+    x = np.arange(len(modes))
+    busy.bar(x - 0.2, [statistics.median(r["learner_busy"] for r in per_mode[m]) for m in modes], 0.4,
+             label="learner busy")
+    busy.bar(x + 0.2, [statistics.median(r["actor_idle"] for r in per_mode[m]) for m in modes], 0.4,
+             label="actor idle")
+    busy.set_xticks(x, modes)
+    busy.set_ylim(0, 1)
+    busy.set_title("time fractions")
+    busy.legend(fontsize=8)
+    for j, m in enumerate(modes):
+        hist = collections.Counter()
+        for r in per_mode[m]:
+            hist.update({int(k): v for k, v in r["staleness_hist"].items()})
+        total = sum(hist.values())
+        ks = sorted(hist)
+        stale.bar(np.array(ks) + (j - (len(modes) - 1) / 2) * 0.15, [hist[k] / total for k in ks], 0.15, label=m)
+    stale.set_title("staleness of trained groups (versions)")
+    stale.set_ylabel("share of groups")
+    stale.legend(fontsize=8)
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
