@@ -66,21 +66,27 @@ end
 return {0, used, bound}
 """ % LOST_KEPT_S
 
-# KEYS: held, lost, accepted, counts. ARGV: ticket. Idempotent: a retried commit finds nothing.
-_COMMIT_LUA = """
-if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
-  redis.call('INCR', KEYS[3])
-  redis.call('HINCRBY', KEYS[4], 'produced', 1)
-  return 1
+# The ticket's group is in a stream: 1 (held), 2 (had come back), 0 (already committed: a
+# retried commit finds nothing). A Lua function, so the producer's XADD script commits too.
+COMMIT_FN = """
+local function commit(held, lost, accepted, counts, ticket)
+  if redis.call('ZREM', held, ticket) == 1 then
+    redis.call('INCR', accepted)
+    redis.call('HINCRBY', counts, 'produced', 1)
+    return 1
+  end
+  if redis.call('ZREM', lost, ticket) == 1 then
+    redis.call('INCR', accepted)
+    redis.call('HINCRBY', counts, 'produced', 1)
+    redis.call('HINCRBY', counts, 'failed:actor_lost', -1)
+    return 2
+  end
+  return 0
 end
-if redis.call('ZREM', KEYS[2], ARGV[1]) == 1 then
-  redis.call('INCR', KEYS[3])
-  redis.call('HINCRBY', KEYS[4], 'produced', 1)
-  redis.call('HINCRBY', KEYS[4], 'failed:actor_lost', -1)
-  return 2
-end
-return 0
 """
+
+# KEYS: held, lost, accepted, counts. ARGV: ticket.
+_COMMIT_LUA = COMMIT_FN + "return commit(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1])\n"
 
 # KEYS: held, counts. ARGV: ticket, reason.
 _RELEASE_LUA = """
@@ -179,17 +185,15 @@ class Admission:
         self.waited_s += time.monotonic() - started
         return True
 
+    @property
+    def commit_keys(self) -> list[str]:
+        """The keys COMMIT_FN's commit(...) takes, in order."""
+        k = self.keys
+        return [k.tickets_held, k.tickets_lost, k.tickets_accepted, k.counts]
+
     async def commit(self, ticket: str) -> int:
         """The ticket's group is in a stream: 1 (held), 2 (had come back), 0 (already committed)."""
-        k = self.keys
-        return int(await self._commit(keys=[k.tickets_held, k.tickets_lost, k.tickets_accepted, k.counts],
-                                      args=[ticket]))
-
-    async def commit_in(self, pipe, ticket: str) -> None:
-        """Queue the commit in a MULTI/EXEC pipeline (beside the group's XADD: both or neither)."""
-        k = self.keys
-        await self._commit(keys=[k.tickets_held, k.tickets_lost, k.tickets_accepted, k.counts], args=[ticket],
-                           client=pipe)
+        return int(await self._commit(keys=self.commit_keys, args=[ticket]))
 
     async def release(self, ticket: str, reason: str) -> bool:
         """The ticket's group failed or was cancelled: the ticket comes back, counted under `reason`."""

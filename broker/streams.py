@@ -19,13 +19,25 @@ import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
-from broker.admission import Admission
+from broker.admission import COMMIT_FN, Admission
 from broker.keys import Keys
 from broker.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
 PAYLOAD_FIELD = b"g"
+
+# The back-pressure check and the XADD in one round trip, and exact: no other producer adds
+# between them. KEYS: the stream, then the ticket's commit keys where the group's ticket is
+# committed with it (one slot). ARGV: the length bound (0: none), the field, the payload,
+# then the ticket. A full stream adds nothing and answers nil.
+_ADD_LUA = COMMIT_FN + """
+local bound = tonumber(ARGV[1])
+if bound > 0 and redis.call('XLEN', KEYS[1]) >= bound then return false end
+local id = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
+if #KEYS > 1 then commit(KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[4]) end
+return id
+"""
 
 
 def _id(entry_id: bytes | str) -> str:
@@ -46,8 +58,10 @@ class RolloutProducer:
 
     `push` puts the group in a bounded local buffer (waiting while it is full); a flusher
     task writes it to Redis, waiting while the stream is full and retrying by `retry`
-    while Redis is unreachable, then commits the group's admission ticket. A retried XADD
-    whose reply was lost can write a group twice; the learner de-duplicates by group id.
+    while Redis is unreachable, then commits the group's admission ticket. The length
+    check and the XADD are one script (one round trip; producers never overshoot the
+    bound). A retried XADD whose reply was lost can write a group twice; the learner
+    de-duplicates by group id.
     """
 
     def __init__(self, client: aioredis.Redis, keys: Keys, max_len: int, buffer_size: int = 64,
@@ -59,6 +73,7 @@ class RolloutProducer:
         self.waited_s = 0.0
         self.ignore_bound = False  # set when stopping: finished groups go out past the length bound
         self.tickets: set[str] = set()  # admission tickets of the groups not yet committed
+        self._add_script = client.register_script(_ADD_LUA)
 
     async def push(self, data: bytes, ticket: str | None = None) -> None:
         await self._buffer.put((data, ticket))
@@ -75,8 +90,8 @@ class RolloutProducer:
 
     async def run(self) -> None:
         """The flusher: runs until cancelled. With one stream (the run's hash tag, like the
-        tickets) the XADD and the ticket's commit are one MULTI/EXEC: a producer killed
-        between them can never leave a group in the stream whose ticket comes back as lost."""
+        tickets) the XADD and the ticket's commit are one script: a producer killed between
+        them can never leave a group in the stream whose ticket comes back as lost."""
         while True:
             data, ticket = await self._buffer.get()
             stream = self.keys.rollouts(next(self._shards))
@@ -92,19 +107,16 @@ class RolloutProducer:
 
     async def _add(self, stream: str, data: bytes, ticket: str | None = None) -> str:
         started = time.monotonic()
+        keys = [stream, *(self.admission.commit_keys if ticket is not None else [])]
+        tail = [PAYLOAD_FIELD, data, *([ticket] if ticket is not None else [])]
         logged = False
-        while not self.ignore_bound and await self.client.xlen(stream) >= self.max_len:
+        while (entry_id := await self._add_script(keys=keys, args=[0 if self.ignore_bound else self.max_len,
+                                                                   *tail])) is None:
             if not logged:
                 log.info("rollouts stream %s full (%d groups): waiting for the learner", stream, self.max_len)
                 logged = True
             await asyncio.sleep(self.poll_s)
         self.waited_s += time.monotonic() - started
-        if ticket is None:
-            return _id(await self.client.xadd(stream, {PAYLOAD_FIELD: data}))
-        async with self.client.pipeline(transaction=True) as pipe:
-            pipe.xadd(stream, {PAYLOAD_FIELD: data})
-            await self.admission.commit_in(pipe, ticket)
-            entry_id, _committed = await pipe.execute()
         return _id(entry_id)
 
 

@@ -175,6 +175,36 @@ def test_producer_waits_while_the_stream_is_full(redis_server_url, run_name):
     run(scenario())
 
 
+def test_many_producers_never_push_the_stream_past_its_bound(redis_server_url, run_name):
+    """16 producers on their own connections, each with groups to send, a stream bounded at
+    5 and a slow reader: the length never goes past 5 (a length check apart from the XADD
+    lets producers that checked at the same time all add)."""
+    async def scenario():
+        keys = Keys(run_name)
+        clients = [connect(redis_server_url) for _ in range(17)]
+        producers = [RolloutProducer(c, keys, 5, poll_s=0.001) for c in clients[:16]]
+        consumer = RolloutConsumer(clients[16], keys, "c1")
+        await consumer.ensure_group()
+        flushers = [asyncio.create_task(p.run()) for p in producers]
+        for i, p in enumerate(producers):
+            for j in range(4):
+                await p.push(b"%d-%d" % (i, j))
+        lengths, got = [], []
+        while len(got) < 64:
+            lengths.append(await clients[16].xlen(keys.rollouts()))
+            entries = await consumer.read(3, block_ms=100)
+            await consumer.ack([e.id for e in entries])
+            got += [e.data for e in entries]
+        for task in flushers:
+            task.cancel()
+        for c in clients:
+            await c.aclose()
+        return lengths, got
+
+    lengths, got = run(scenario())
+    assert max(lengths) == 5 and sorted(got) == sorted(b"%d-%d" % (i, j) for i in range(16) for j in range(4))
+
+
 def test_membership_reports_dead_members(redis_server_url, run_name):
     async def scenario():
         client = connect(redis_server_url)
