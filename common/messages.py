@@ -12,6 +12,7 @@ This module imports neither torch nor vLLM so every process can import it cheapl
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 import uuid
 from typing import Any
@@ -140,17 +141,19 @@ def encode_group(group: RolloutGroup, max_bytes: int = DEFAULT_MAX_BYTES) -> byt
 # --- decoding ---------------------------------------------------------------------------
 
 
-def _field(obj: dict[str, Any], name: str, types: type | tuple[type, ...], where: str) -> Any:
-    if name not in obj:
-        raise CodecError(f"{where}: missing field {name!r}")
-    value = obj[name]
-    if not isinstance(value, types) or isinstance(value, bool) and bool not in _as_tuple(types):
-        raise CodecError(f"{where}: field {name!r} has type {type(value).__name__}, expected {types}")
+_MISSING = object()
+
+
+def _field(obj: dict[str, Any], name: str, types: tuple[type, ...], where: str) -> Any:
+    """obj[name], whose type must be one of `types` exactly: msgpack makes only exact types,
+    and an exact check keeps a bool out of an int field (bool is a subclass of int)."""
+    value = obj.get(name, _MISSING)
+    if type(value) not in types:
+        if value is _MISSING:
+            raise CodecError(f"{where}: missing field {name!r}")
+        raise CodecError(f"{where}: field {name!r} has type {type(value).__name__}, expected "
+                         f"{' or '.join(t.__name__ for t in types)}")
     return value
-
-
-def _as_tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
-    return types if isinstance(types, tuple) else (types,)
 
 
 def _unpack_array(value: Any, expected: np.dtype, where: str) -> np.ndarray:
@@ -176,32 +179,33 @@ def _decode_sample(obj: Any, where: str) -> Sample:
         raise CodecError(f"{where}: expected a map")
     arrays = {name: _unpack_array(_field(obj, name, (list, tuple), where), dt, f"{where}.{name}")
               for name, dt in TOKEN_ARRAYS.items()}
-    lengths = {name: a.shape[0] for name, a in arrays.items()}
-    if len(set(lengths.values())) != 1:
+    if len({a.shape[0] for a in arrays.values()}) != 1:
+        lengths = {name: a.shape[0] for name, a in arrays.items()}
         raise CodecError(f"{where}: per-token arrays disagree in length: {lengths}")
     if arrays["loss_mask"].size and arrays["loss_mask"].max() > 1:
         raise CodecError(f"{where}.loss_mask: values must be 0 or 1")
     turn_rewards = _unpack_array(_field(obj, "turn_rewards", (list, tuple), where), np.dtype("<f4"),
                                  f"{where}.turn_rewards")
-    num_turns = _field(obj, "num_turns", int, where)
+    num_turns = _field(obj, "num_turns", (int,), where)
     if num_turns != turn_rewards.shape[0]:
         raise CodecError(f"{where}: num_turns={num_turns} but {turn_rewards.shape[0]} turn rewards")
     reward = float(_field(obj, "reward", (int, float), where))
     # Bad numbers never reach the weights: a NaN or infinite log-prob or reward poisons a step.
-    for name, values in (("logprobs", arrays["logprobs"]), ("turn_rewards", turn_rewards), ("reward", [reward])):
-        if not np.isfinite(values).all():
+    for name, finite in (("logprobs", np.isfinite(arrays["logprobs"]).all()),
+                         ("turn_rewards", np.isfinite(turn_rewards).all()), ("reward", math.isfinite(reward))):
+        if not finite:
             raise CodecError(f"{where}.{name}: not finite (NaN or infinite values)")
     return Sample(
         **arrays,
         reward=reward,
         turn_rewards=turn_rewards,
         num_turns=num_turns,
-        finish_reason=_field(obj, "finish_reason", str, where),
-        task_id=_field(obj, "task_id", str, where),
-        env_name=_field(obj, "env_name", str, where),
-        success=_field(obj, "success", bool, where),
-        invalid_actions=_field(obj, "invalid_actions", int, where),
-        timing=dict(_field(obj, "timing", dict, where)),
+        finish_reason=_field(obj, "finish_reason", (str,), where),
+        task_id=_field(obj, "task_id", (str,), where),
+        env_name=_field(obj, "env_name", (str,), where),
+        success=_field(obj, "success", (bool,), where),
+        invalid_actions=_field(obj, "invalid_actions", (int,), where),
+        timing=dict(_field(obj, "timing", (dict,), where)),
     )
 
 
@@ -222,15 +226,15 @@ def decode_group(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -
     version = obj.get("schema_version")
     if version != SCHEMA_VERSION:
         raise CodecError(f"schema_version is {version!r}, this code reads {SCHEMA_VERSION}", "schema_version")
-    samples = _field(obj, "samples", list, "group")
+    samples = _field(obj, "samples", (list,), "group")
     if not samples:
         raise CodecError("group: no samples")
     return RolloutGroup(
-        group_id=_field(obj, "group_id", str, "group"),
-        task_id=_field(obj, "task_id", str, "group"),
-        env_name=_field(obj, "env_name", str, "group"),
-        actor_id=_field(obj, "actor_id", str, "group"),
+        group_id=_field(obj, "group_id", (str,), "group"),
+        task_id=_field(obj, "task_id", (str,), "group"),
+        env_name=_field(obj, "env_name", (str,), "group"),
+        actor_id=_field(obj, "actor_id", (str,), "group"),
         created_at=float(_field(obj, "created_at", (int, float), "group")),
-        sampling=dict(_field(obj, "sampling", dict, "group")),
+        sampling=dict(_field(obj, "sampling", (dict,), "group")),
         samples=[_decode_sample(s, f"samples[{i}]") for i, s in enumerate(samples)],
     )
