@@ -13,7 +13,7 @@ import time
 from typing import AsyncIterator, Awaitable, Callable
 
 from broker.retry import RetryPolicy
-from broker.weights import WeightStore, WeightVersionError
+from broker.weights import Announcements, WeightStore, WeightVersionError
 
 log = logging.getLogger(__name__)
 
@@ -93,10 +93,17 @@ async def apply_newest(store: WeightStore, gate: WeightGate, load_path: Callable
 
 async def receive_weights(store: WeightStore, gate: WeightGate, load_path: Callable[[str], Awaitable[None]],
                           poll_s: float, stop: asyncio.Event, retry: RetryPolicy = RetryPolicy()) -> None:
-    """Poll the version record; apply each newer version."""
-    with tempfile.TemporaryDirectory(prefix="omrl-weights-") as tmp:
-        while not stop.is_set():
-            if await apply_newest(store, gate, load_path, tmp, retry):
-                continue  # a newer one may be out already
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), poll_s)
+    """Apply each newer version: woken by its announcement, or at the latest after poll_s."""
+    announcements = Announcements(store.client, store.keys)
+    try:
+        with tempfile.TemporaryDirectory(prefix="omrl-weights-") as tmp:
+            while not stop.is_set():
+                if await apply_newest(store, gate, load_path, tmp, retry):
+                    continue  # a newer one may be out already
+                waits = [asyncio.ensure_future(announcements.wait(poll_s)), asyncio.ensure_future(stop.wait())]
+                _done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                for task in pending:  # only the stop interrupts an announcement's wait
+                    task.cancel()
+                await asyncio.gather(*pending, return_exceptions=True)
+    finally:
+        await announcements.close()

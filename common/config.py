@@ -123,7 +123,8 @@ class ActorConfig(Section):
     seed: int = 0
     """Base seed; actor i uses seed + i."""
     weight_poll_s: float = Field(0.2, gt=0)
-    """How often an actor checks for a new weight version."""
+    """An actor applies a new weight version when it is announced, and checks for one this often
+    besides (a lost announcement costs one check)."""
     heartbeat_s: float = Field(2.0, gt=0)
     """How often an actor sends a heartbeat."""
     metrics_s: float = Field(1.0, gt=0)

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from broker.admission import floor_accepted
-from broker.weights import WeightStore
+from broker.weights import WeightStore, WeightsTooLarge
 from common.config import Config
 from common.messages import RolloutGroup
 from common.metrics import JsonlSink
@@ -96,7 +96,10 @@ class Learner:
                                                                   "groups_trained": trained, "time": time.time()})
             await floor_accepted(bridge.client, keys, trained)
 
-        bridge.call(publish, "publish weights")
+        try:
+            bridge.call(publish, "publish weights")
+        except WeightsTooLarge as exc:
+            raise SystemExit(f"error: {exc}") from None
 
     def _commit(self, bridge: BrokerBridge, trainer: Trainer) -> None:
         """Checkpoint, then acknowledge every group the checkpoint holds."""

@@ -6,12 +6,13 @@ it makes the actor fetch the newest one."""
 
 import asyncio
 import logging
+import time
 
 import pytest
 from transformers import AutoTokenizer
 
 from actors.engine import Generation
-from actors.weights import WeightGate, apply_newest
+from actors.weights import WeightGate, apply_newest, receive_weights
 from actors.worker import Actor
 from broker.admission import group_counts
 from broker.connection import connect
@@ -174,3 +175,33 @@ def test_a_version_rotated_out_before_the_fetch_makes_the_actor_fetch_the_newest
     version, loaded = asyncio.run(scenario())
     assert version == 2 and loaded == [b"v2"]
     assert "no longer stored: fetching the newest version instead" in caplog.text
+
+
+def test_the_receiver_applies_a_version_when_it_is_announced_not_at_its_next_poll(redis_server_url, run_name):
+    """A 30 s poll, yet each of three versions is applied within a second of its publication,
+    and the stop ends the receiver at once."""
+    async def scenario():
+        client = connect(redis_server_url)
+        store = WeightStore(client, Keys(run_name), keep=1)
+        gate, stop, applied = WeightGate(), asyncio.Event(), []
+
+        async def load(path):
+            applied.append(time.monotonic())
+
+        receiver = asyncio.create_task(receive_weights(store, gate, load, poll_s=30.0, stop=stop))
+        await asyncio.sleep(0.5)  # subscribed
+        delays = []
+        for version in (1, 2, 3):
+            published = time.monotonic()
+            await store.publish(version, version, b"v%d" % version)
+            while gate.version < version:
+                assert time.monotonic() - published < 5, f"version {version} not applied"
+                await asyncio.sleep(0.01)
+            delays.append(applied[-1] - published)
+        stop.set()
+        await asyncio.wait_for(receiver, 2)
+        await client.aclose()
+        return delays
+
+    delays = asyncio.run(scenario())
+    assert max(delays) < 1.0, delays

@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+import redis.exceptions
 
 from broker.connection import connect
 from broker.keys import Keys
@@ -10,7 +11,7 @@ from broker.membership import Membership
 from broker.retry import RetryPolicy
 from broker.status import run_status
 from broker.streams import RolloutConsumer, RolloutProducer, stream_info
-from broker.weights import WeightStore, WeightVersionError
+from broker.weights import WeightStore, WeightsTooLarge, WeightVersionError
 
 pytestmark = pytest.mark.redis
 
@@ -244,6 +245,30 @@ def test_weight_store_publishes_verifies_and_keeps_the_last_k(redis_server_url, 
             await store.fetch(record)
         await pubsub.aclose()
         await client.aclose()
+    run(scenario())
+
+
+def test_weights_over_the_servers_value_limit_are_refused_once_with_the_reason(redis_server_url, run_name):
+    """Redis drops the connection on a value over proto-max-bulk-len (here lowered to 1 MiB,
+    its smallest), which looks like a network fault: publish refuses such a blob up front."""
+    async def scenario():
+        client = connect(redis_server_url)
+        (old,) = (await client.config_get("proto-max-bulk-len")).values()
+        await client.config_set("proto-max-bulk-len", 1 << 20)
+        try:
+            store = WeightStore(client, Keys(run_name))
+            raw = connect(redis_server_url)  # what a plain SET gets: the connection dropped or a protocol error
+            with pytest.raises((redis.exceptions.ConnectionError, redis.exceptions.ResponseError)):
+                await raw.set("too-large", b"x" * (2 << 20))
+            await raw.aclose()
+            with pytest.raises(WeightsTooLarge, match="2 MiB, over the largest value this Redis accepts .1 MiB"):
+                await store.publish(1, 1, b"x" * (2 << 20))
+            assert await store.latest() is None
+            await store.publish(1, 1, b"x" * (1 << 19))
+            assert (await store.latest())["nbytes"] == 1 << 19
+        finally:
+            await client.config_set("proto-max-bulk-len", old)
+            await client.aclose()
     run(scenario())
 
 
