@@ -17,7 +17,8 @@ import sys
 import time
 from pathlib import Path
 
-BENCHMARKS = {"broker": "benchmarks.broker", "pipeline": "benchmarks.pipeline", "env": "benchmarks.env"}
+BENCHMARKS = {"broker": "benchmarks.broker", "pipeline": "benchmarks.pipeline", "weights": "benchmarks.weights",
+              "env": "benchmarks.env"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
