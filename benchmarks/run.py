@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 BENCHMARKS = {"broker": "benchmarks.broker", "pipeline": "benchmarks.pipeline", "weights": "benchmarks.weights",
-              "env": "benchmarks.env"}
+              "learner": "benchmarks.learner", "env": "benchmarks.env"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

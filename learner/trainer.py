@@ -46,7 +46,6 @@ class Trainer:
             mean_entropy = masked_mean(entropy, batch.generated_mask)
             loss = pg_loss - self.cfg.entropy_coef * mean_entropy
         with self.timer("backward"):
-            self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         # Bad numbers never reach the weights: a non-finite loss or gradient skips the update.
@@ -55,10 +54,12 @@ class Trainer:
             with self.timer("optimizer"):
                 self.optimizer.step()
         else:
-            self.optimizer.zero_grad(set_to_none=True)
             self.skipped_nonfinite += 1
             log.warning("non-finite loss (%s) or gradient norm (%s): optimizer step skipped (%d so far)",
                         float(loss.detach()), float(grad_norm), self.skipped_nonfinite)
+        # Freed now, not before the next backward: kept, they would sit through the next step's
+        # forward passes (`omrl bench learner` measured 4% more peak memory on a 100M model).
+        self.optimizer.zero_grad(set_to_none=True)
         metrics["learner/skipped_nonfinite"] = float(self.skipped_nonfinite)
         metrics["learner/loss/policy"] = float(pg_loss.detach())
         metrics["learner/entropy"] = float(mean_entropy.detach())

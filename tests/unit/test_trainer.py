@@ -28,6 +28,7 @@ def test_non_finite_loss_skips_the_step(tiny_model, poison):
     assert metrics["learner/skipped_nonfinite"] == 0
     moved = weights(trainer.model)
     assert any(not torch.equal(before[k], moved[k]) for k in before)
+    assert all(p.grad is None for p in trainer.model.parameters())  # freed at once, not held into the next step
 
     if poison == "advantage":
         batch.advantages[0] = float("inf")
