@@ -32,26 +32,34 @@ class Engine(Protocol):
     def shutdown(self) -> None: ...
 
 
+def share_cpus() -> None:
+    """On CPU, several actors share the machine: one OpenMP thread each, unpinned, that
+    sleeps rather than spins when idle (2.6x the request rate measured on 2 cores). Set
+    before vLLM starts; a value already in the environment wins."""
+    for var, value in (("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("OMP_NUM_THREADS", "1"),
+                       ("OMP_WAIT_POLICY", "PASSIVE")):
+        os.environ.setdefault(var, value)
+
+
+def engine_args(model: ModelConfig, actor: ActorConfig, model_path: str, seed: int) -> dict[str, Any]:
+    """vLLM's engine arguments for an actor, the weight-reload extension apart (what the
+    engine benchmark's offline baseline starts `vllm.LLM` with, too)."""
+    return dict(model=model_path, dtype=model.dtype, enforce_eager=True, seed=seed, max_model_len=actor.max_seq_len,
+                kv_cache_memory_bytes=actor.kv_cache_mb * 1024 * 1024, disable_log_stats=True)
+
+
 class VLLMEngine:
     """vLLM's AsyncLLM, one request per turn, log-prob of every sampled token."""
 
     def __init__(self, model: ModelConfig, actor: ActorConfig, model_path: str, seed: int):
-        # On CPU, several actors share the machine: one OpenMP thread each, unpinned, that
-        # sleeps rather than spins when idle (2.6x the request rate measured on 2 cores).
-        for var, value in (("VLLM_CPU_OMP_THREADS_BIND", "nobind"), ("OMP_NUM_THREADS", "1"),
-                           ("OMP_WAIT_POLICY", "PASSIVE")):
-            os.environ.setdefault(var, value)
+        share_cpus()
         from vllm import SamplingParams
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.sampling_params import RequestOutputKind
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        args = AsyncEngineArgs(
-            model=model_path, dtype=model.dtype, enforce_eager=True, seed=seed,
-            max_model_len=actor.max_seq_len, kv_cache_memory_bytes=actor.kv_cache_mb * 1024 * 1024,
-            worker_extension_cls="actors.vllm_ext.WeightReloadExtension",
-            disable_log_stats=True,
-        )
+        args = AsyncEngineArgs(**engine_args(model, actor, model_path, seed),
+                               worker_extension_cls="actors.vllm_ext.WeightReloadExtension")
         self.llm = AsyncLLM.from_engine_args(args)
         self.tokenizer = self.llm.tokenizer
         stop_ids = [self.tokenizer.convert_tokens_to_ids(t) for t in self._stop_tokens(actor.stop)]

@@ -154,7 +154,6 @@ class Actor:
                  dict(self.failed) or "none")
 
     async def _group_loop(self) -> None:
-        cfg = self.cfg
         while not self.stop.is_set():
             if not await _wait_either(self.env_up, self.stop):
                 return

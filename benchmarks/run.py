@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 BENCHMARKS = {"broker": "benchmarks.broker", "pipeline": "benchmarks.pipeline", "weights": "benchmarks.weights",
-              "learner": "benchmarks.learner", "env": "benchmarks.env"}
+              "engine": "benchmarks.engine", "learner": "benchmarks.learner", "env": "benchmarks.env"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
