@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.cli import add_config_args, config_from_args, log_config
+from common.cli import add_config_args, config_from_args, log_config, pin_cpus
 from common.logs import setup_logging
 
 
@@ -16,6 +16,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config_from_args(args)
     setup_logging(f"actor{args.index}", cfg.run.log_level)
     log_config(cfg)
+    pin_cpus(cfg.actor.cpus, "actor.cpus")  # before vLLM starts its engine processes
     from actors.worker import main as run
 
     run(cfg, args.index)

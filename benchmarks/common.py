@@ -1,10 +1,13 @@
 """What every benchmark shares: alternating the system's path with its baseline, the median
-and range of a figure and of a ratio, a table row, and a free port for the servers a
-benchmark starts."""
+and range of a figure and of a ratio, a table row, waiting for a server a benchmark
+started, and the plotting backend."""
 
 from __future__ import annotations
 
 import statistics
+import subprocess
+import time
+import urllib.request
 from typing import Callable
 
 
@@ -43,3 +46,17 @@ def pyplot():
     import matplotlib.pyplot as plt
 
     return plt
+
+
+def wait_http(port: int, proc: subprocess.Popen | None = None, timeout: float = 60.0) -> None:
+    """Until http://127.0.0.1:port/ answers; fails at once if `proc` (the server) exits."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"the server for port {port} exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1):
+                return
+        except OSError:
+            time.sleep(0.2)
+    raise TimeoutError(f"no server on port {port} after {timeout:.0f}s")

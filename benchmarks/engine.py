@@ -52,10 +52,9 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
-from benchmarks.common import alternate, pyplot, ratios, row, spread
+from benchmarks.common import alternate, pyplot, ratios, row, spread, wait_http
 
 EPISODES = 64  # concurrent episode loops: one actor's 8 groups x 8
 QUICK_EPISODES = 16
@@ -236,19 +235,6 @@ def _stop(proc: subprocess.Popen) -> None:
     proc.wait(30)
 
 
-def _wait_up(proc: subprocess.Popen, port: int, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the letters env server exited with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"no env server on port {port} after {timeout:.0f}s")
-
-
 def run(quick: bool, device: str = "cpu") -> dict:
     """Both points (one in quick mode), each alternated `repeats` times after a warm-up."""
     points_cfg = QUICK_POINTS if quick else POINTS
@@ -300,7 +286,7 @@ def _measure_all(tmp: str, stack: contextlib.ExitStack, points_cfg: dict, loops:
         print(f"engine: warning: the offline engine's scheduler limits {scheduler} are not the engine's {mine}",
               flush=True)
     for proc, port in servers.values():
-        _wait_up(proc, port)
+        wait_http(port, proc, timeout=120.0)
     session = loop.run_until_complete(_session())
     stack.callback(lambda: loop.run_until_complete(session.close()))
     params = {k: v for k, v in engine.params.items() if k != "output_kind"}  # the offline side sets its own

@@ -17,8 +17,9 @@ import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
+
+from benchmarks.common import wait_http
 
 ACTIONS = {
     "letters": ["a"],
@@ -60,7 +61,7 @@ def measure(args: argparse.Namespace) -> dict:
                                                  str(port)])
             server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
-                _wait_up(port)
+                wait_http(port, server)
                 results[kind].append(asyncio.run(_load(port, args)))
             finally:
                 server.terminate()
@@ -124,17 +125,6 @@ def _serve_baseline(port: int) -> None:
     app = web.Application()
     app.router.add_route("*", "/{tail:.*}", answer)
     web.run_app(app, host="127.0.0.1", port=port, print=None, access_log=None)
-
-
-def _wait_up(port: int, timeout: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"no server on port {port} after {timeout}s")
 
 
 def _summary(runs: list[dict]) -> dict:

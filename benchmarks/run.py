@@ -1,6 +1,6 @@
 """`omrl bench NAME [--quick] [--out DIR]`: run benchmarks, each a ratio of the system's
 path against a baseline measured in the same run; OUT/NAME.json and OUT/NAME.png per
-benchmark, and OUT/table.md for `all`.
+benchmark, and OUT/table.md of every result in OUT.
 
 A benchmark is a module in BENCHMARKS with `run(quick, device) -> {"rows": [...], ...}` (each
 row: measure, system, baseline, ratio {median, min, max}; benchmarks/common.py builds them)
@@ -50,10 +50,12 @@ def main(args: argparse.Namespace) -> int:
         module.plot(result, out / f"{name}.png")
         results[name] = result
         print(f"{name}: {out / f'{name}.json'}, {out / f'{name}.png'} ({result['seconds']:.0f} s)")
-    table = markdown_table(results)
-    print(table)
-    if args.name == "all":
-        (out / "table.md").write_text(table)
+    print(markdown_table(results))
+    # The table covers every benchmark whose result is in OUT, so one benchmark run again
+    # (say `omrl bench pipeline --out DIR` after `all`) updates its rows in place.
+    kept = {name: json.loads((out / f"{name}.json").read_text()) for name in BENCHMARKS
+            if (out / f"{name}.json").exists()}
+    (out / "table.md").write_text(markdown_table(kept))
     return 0
 
 
@@ -66,8 +68,14 @@ def machine() -> str:
 def markdown_table(results: dict[str, dict]) -> str:
     lines = ["| benchmark | measure | system | baseline | system / baseline (median, range) |", "|---|---|---|---|---|"]
     for name, result in results.items():
+        shown = f"{name} (quick)" if result.get("quick") else name
         for row in result["rows"]:
             r = row["ratio"]
-            lines.append(f"| {name} | {row['measure']} | {row['system']:,.0f} | {row['baseline']:,.0f} | "
+            lines.append(f"| {shown} | {row['measure']} | {_figure(row['system'])} | {_figure(row['baseline'])} | "
                          f"x{r['median']:.2f} ({r['min']:.2f}-{r['max']:.2f}) |")
     return "\n".join(lines) + "\n"
+
+
+def _figure(x: float) -> str:
+    """Whole numbers from 100 up (with thousands separators), three significant digits below."""
+    return f"{x:,.0f}" if abs(x) >= 100 else f"{x:.3g}"

@@ -118,6 +118,9 @@ class ActorConfig(Section):
     """How the model writes an action: raw, react, tag or json (actors/templates.py)."""
     rewards: dict[str, float] = Field(default_factory=lambda: {"env": 1.0})
     """Reward functions by name and their weights (envs/rewards.py): env, success, format, process, length."""
+    cpus: list[int] = Field(default_factory=list)
+    """CPU cores an actor process and its engine run on (empty: any). On one machine, cores of
+    their own for the actors and for the learner stand in for devices of their own."""
     kv_cache_mb: int = Field(64, ge=1)
     """KV-cache memory of one actor's vLLM engine in MiB."""
     seed: int = 0
@@ -187,6 +190,8 @@ class LearnerConfig(Section):
     """Consumer name in the group; keep it across restarts so the learner re-reads its own pending entries."""
     threads: int = Field(1, ge=1)
     """torch intra-op threads."""
+    cpus: list[int] = Field(default_factory=list)
+    """CPU cores the learner runs on (empty: any); see actor.cpus."""
     seed: int = 0
     """Seed for torch."""
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from common.cli import add_config_args, config_from_args, log_config
+from common.cli import add_config_args, config_from_args, log_config, pin_cpus
 from common.logs import setup_logging
 
 
@@ -17,6 +17,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg = config_from_args(args, [f"learner.steps={args.steps}"] if args.steps else [])
     setup_logging("learner", cfg.run.log_level)
     log_config(cfg)
+    pin_cpus(cfg.learner.cpus, "learner.cpus")
     from learner.worker import main as run
 
     sys.exit(run(cfg))

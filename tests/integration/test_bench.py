@@ -42,7 +42,8 @@ def check_pipeline_runs(runs):
     assert sync and ahead
     for r in runs:
         assert r["steps"] >= 3 and len(r["rewards"]) == r["steps"]
-        assert 0 <= r["learner_busy"] <= 1 and 0 <= r["actor_idle"] <= 1, r
+        assert 0 <= r["learner_busy"] <= 1 and 0 <= r["actor_idle"] <= 1 and r["learner_step_s"] > 0, r
+        assert r["cores"] in ("split", "shared")
         assert sum(r["staleness_hist"].values()) == 8 * r["steps"], r  # every trained group, once
     # Sync: trained only on the weights the learner held; async: at least one group generated ahead.
     assert all(set(r["staleness_hist"]) == {"0"} for r in sync), sync

@@ -86,3 +86,17 @@ def test_sync_mode_runs_no_version_ahead_and_bad_modes_are_refused():
     assert load_config(None, ["learner.mode=sync", "learner.eta=4"], environ={}).learner.versions_ahead == 0
     with pytest.raises(ConfigError, match="learner.mode"):
         load_config(None, ["learner.mode=lockstep"], environ={})
+
+
+def test_processes_pin_themselves_to_the_cores_their_config_names():
+    import os
+    import subprocess
+    import sys
+
+    code = "import os; from common.cli import pin_cpus; pin_cpus({cpus}, 'learner.cpus'); print(sorted(os.sched_getaffinity(0)))"
+    first = min(os.sched_getaffinity(0))
+    done = subprocess.run([sys.executable, "-c", code.format(cpus=[first])], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.strip() == f"[{first}]", done.stderr
+    done = subprocess.run([sys.executable, "-c", code.format(cpus=[4096])], capture_output=True, text=True)
+    assert done.returncode == 1 and "learner.cpus = [4096]: this process may run on CPUs" in done.stderr
+    assert load_config(None, ["learner.cpus=[0]", "actor.cpus=[1, 2]"], environ={}).actor.cpus == [1, 2]
