@@ -200,7 +200,7 @@ def measure_model(label: str, model_dir, shape: Shape, device: str, repeats: int
     sections: dict[str, list[float]] = {name: [] for name in SECTIONS}
 
     def repetition(kind: str, model, step) -> float:
-        model.zero_grad(set_to_none=True)  # both start without gradients; the Trainer keeps its own between steps
+        model.zero_grad(set_to_none=True)  # both start without gradients (both free them after each step)
         with meter() as peak:
             sync()
             started = time.perf_counter()
