@@ -27,8 +27,8 @@ import itertools
 import logging
 import os
 import random
-import signal
 import shutil
+import signal
 import socket
 import tempfile
 import time
