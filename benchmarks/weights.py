@@ -40,11 +40,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import dataclasses
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -54,7 +52,6 @@ from typing import Any, Awaitable, Callable
 
 from benchmarks.common import alternate, pyplot, ratios, row, spread
 
-REPO = Path(__file__).resolve().parents[1]
 # (hidden, layers, heads): head size 64 throughout, intermediate 2 x hidden (init_tiny_model).
 MODELS = ((128, 2, 2), (512, 8, 8), (1024, 12, 16))
 QUICK_MODELS = ((128, 2, 2),)
@@ -220,12 +217,14 @@ class Model:
 
 
 class Receivers:
-    """The actor processes of one model; stopped by process group (each started its own)."""
+    """The actor processes of one model, each in a process group of its own (`Process` of
+    the supervisor: a stop is SIGTERM, which shuts the receiver's engine down, then SIGKILL
+    to what is left of its group)."""
 
     def __init__(self, url: str, run: str, model: Model, transport: str, actors: int, device: str, log_dir: str):
-        self.procs: list[subprocess.Popen] = []
-        self.logs = [os.path.join(log_dir, f"receiver-{run}-{i}.log") for i in range(actors)]
-        started = False
+        from deploy.supervisor import Process
+
+        self.procs: list[Process] = []
         try:
             for i in range(actors):
                 env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
@@ -233,55 +232,37 @@ class Receivers:
                     env["CUDA_VISIBLE_DEVICES"] = str(i)
                 cmd = [sys.executable, "-m", "benchmarks.weights", "--receiver", "--url", url, "--run", run,
                        "--model", model.path, "--index", str(i), "--transport", transport]
-                with open(self.logs[i], "wb") as log:
-                    self.procs.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                                       start_new_session=True))
-            started = True
-        finally:
-            if not started:  # the ones that did start
-                self.stop()
+                self.procs.append(Process(f"weights receiver {i}", cmd, Path(log_dir) / f"receiver-{run}-{i}.log",
+                                          env=env))
+                self.procs[-1].start()
+        except BaseException:
+            self.stop()  # the ones that did start
+            raise
 
     def check(self) -> None:
-        for proc, log in zip(self.procs, self.logs):
-            if proc.poll() is not None:
-                tail = Path(log).read_text(errors="replace").splitlines()[-30:]
-                raise RuntimeError(f"weights receiver {proc.pid} exited with {proc.returncode}:\n" + "\n".join(tail))
+        for p in self.procs:
+            if not p.alive():
+                raise RuntimeError(f"{p.name} (pid {p.proc.pid}) exited with {p.returncode}:\n{p.tail(30)}")
 
     def peak_rss_mb(self) -> list[float]:
         """VmHWM of each receiver and its engine processes, summed per receiver."""
         import psutil
 
         peaks = []
-        for proc in self.procs:
+        for p in self.procs:
             total = 0
-            for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
-                with open(f"/proc/{p.pid}/status") as f:
+            for proc in [psutil.Process(p.proc.pid), *psutil.Process(p.proc.pid).children(recursive=True)]:
+                with open(f"/proc/{proc.pid}/status") as f:
                     total += next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
             peaks.append(total / 1024)
         return peaks
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM to each receiver, which shuts its engine down (a SIGKILL'd engine leaves its
-        shared-memory queues in /dev/shm); SIGKILL to what is left of its group at the deadline."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + timeout
-        for proc in self.procs:
-            while time.monotonic() < deadline and (proc.poll() is None or _group_alive(proc.pid)):
-                time.sleep(0.1)
-            if proc.poll() is None or _group_alive(proc.pid):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-
-
-def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    return True
+        """SIGTERM to every receiver at once, then each stopped in turn (SIGKILL past `timeout`)."""
+        for p in self.procs:
+            p.signal(signal.SIGTERM)
+        for p in self.procs:
+            p.stop(timeout)
 
 
 async def _collect(client, key: str, n: int, receivers: Receivers, timeout: float) -> list[dict]:

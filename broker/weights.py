@@ -49,10 +49,11 @@ class WeightStore:
     async def publish(self, version: int, step: int, blob: bytes) -> dict[str, Any]:
         # Over the limit the server drops the connection mid-write, which looks like a network
         # fault and would be retried forever: refuse it here, once, saying why.
-        if len(blob) > await self.max_value():
+        limit = await self.max_value()
+        if len(blob) > limit:
             raise WeightsTooLarge(
                 f"the weights are {len(blob) / 2**20:,.0f} MiB, over the largest value this Redis accepts "
-                f"({await self.max_value() / 2**20:,.0f} MiB, proto-max-bulk-len): the blob transport sends them as "
+                f"({limit / 2**20:,.0f} MiB, proto-max-bulk-len): the blob transport sends them as "
                 f"one value. Use a smaller model or model.dtype=bfloat16, or raise proto-max-bulk-len on the server")
         record = {"version": version, "step": step, "transport": "blob", "nbytes": len(blob),
                   "sha256": hashlib.sha256(blob).hexdigest(), "time": time.time()}

@@ -40,8 +40,9 @@ class Process:
     output also goes to this process's stdout (the learner's one line per step)."""
 
     def __init__(self, name: str, args: list[str], log_path: Path, echo: bool = False,
-                 ready: Callable[["Process"], None] | None = None):
+                 ready: Callable[["Process"], None] | None = None, env: dict[str, str] | None = None):
         self.name, self.args, self.log_path, self.echo, self.ready = name, args, log_path, echo, ready
+        self.env = env  # the environment it starts with (None: this process's)
         self.proc: subprocess.Popen | None = None
         self.restarts: deque[float] = deque()  # monotonic times of restarts
         self.restart_at: float | None = None
@@ -51,7 +52,7 @@ class Process:
     def start(self) -> None:
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE if self.echo else out,
-                                         stderr=subprocess.STDOUT, start_new_session=True)
+                                         stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
         if self.echo:
             threading.Thread(target=self._tee, args=(self.proc.stdout,), daemon=True).start()
         self.starts += 1
