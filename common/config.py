@@ -189,9 +189,34 @@ class LearnerConfig(Section):
     consumer: str = Field("learner-0", pattern=r"^[A-Za-z0-9_.-]+$")
     """Consumer name in the group; keep it across restarts so the learner re-reads its own pending entries."""
     threads: int = Field(1, ge=1)
-    """torch intra-op threads."""
+    """torch intra-op threads (per rank)."""
     cpus: list[int] = Field(default_factory=list)
     """CPU cores the learner runs on (empty: any); see actor.cpus."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the learner trains: auto is CUDA when torch sees a GPU (rank r on GPU r), else the CPU."""
+    precision: Literal["fp32", "bf16"] = "fp32"
+    """bf16: forward and backward under bf16 autocast; weights and optimizer state stay fp32."""
+    gradient_checkpointing: bool = False
+    """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
+    max_tokens_per_microbatch: int = Field(16384, ge=1)
+    """Padded tokens in one forward; gradients are accumulated over micro-batches, so memory follows
+    this, not the batch. Must hold the longest sequence (actor.max_seq_len)."""
+    vocab_chunk: int = Field(8192, ge=1)
+    """Columns of the output layer computed at once for log-probs and entropy."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each batch."""
+    minibatches: int = Field(1, ge=1)
+    """Optimizer steps per pass, each on a 1/minibatches share of the batch's tokens. With ppo_epochs
+    and minibatches both 1, the PPO ratio is 1 and the proximal forward is skipped."""
+    ranks: int = Field(1, ge=1)
+    """Learner processes (`omrl run` starts them with torchrun); rank 0 reads the broker and publishes."""
+    parallel: Literal["ddp", "fsdp2"] = "ddp"
+    """With ranks > 1: ddp (each rank holds the model) or fsdp2 (parameters, gradients and optimizer
+    state sharded per decoder layer)."""
+    checkpoint_async: bool = True
+    """Write checkpoints from a background thread (training goes on; the groups they hold are
+    acknowledged once the file is durable). A checkpoint due while the previous one is still being
+    written waits for it: at most 2 x checkpoint_every steps of groups are unacknowledged."""
     seed: int = 0
     """Seed for torch."""
 
@@ -239,12 +264,20 @@ class Config(Section):
 
     @model_validator(mode="after")
     def _check(self) -> "Config":
-        pending = (self.learner.checkpoint_every + 1) * self.learner.groups_per_step
+        lcfg = self.learner
+        # Unacknowledged: the steps since the last checkpoint, the batch being read and, when checkpoints
+        # are written in the background, the steps of the one being written.
+        ce, B = lcfg.checkpoint_every, lcfg.groups_per_step
+        pending, formula = ((2 * ce * B, "2 x learner.checkpoint_every x learner.groups_per_step")
+                            if lcfg.checkpoint_async else
+                            ((ce + 1) * B, "(learner.checkpoint_every + 1) x learner.groups_per_step"))
         if self.redis.max_stream_len * self.redis.shards < pending:
             raise ValueError(
-                f"redis.max_stream_len x redis.shards must hold (learner.checkpoint_every + 1) x "
-                f"learner.groups_per_step = {pending} groups (acknowledged only after a checkpoint): "
-                f"raise redis.max_stream_len or lower learner.checkpoint_every")
+                f"redis.max_stream_len x redis.shards must hold the {pending} groups that can wait for a checkpoint "
+                f"({formula}): raise redis.max_stream_len or lower learner.checkpoint_every")
+        if lcfg.max_tokens_per_microbatch < self.actor.max_seq_len:
+            raise ValueError(f"learner.max_tokens_per_microbatch ({lcfg.max_tokens_per_microbatch}) must hold one whole "
+                             f"sequence (actor.max_seq_len = {self.actor.max_seq_len}): raise it or lower max_seq_len")
         if self.learner.dedup_window < pending + self.redis.max_stream_len * self.redis.shards:
             raise ValueError(
                 f"learner.dedup_window must cover the groups that can be pending or waiting in the streams "

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 from common.cli import add_config_args, config_from_args, log_config, pin_cpus
@@ -15,7 +16,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, help="shorthand for --set learner.steps=N")
     args = parser.parse_args(argv)
     cfg = config_from_args(args, [f"learner.steps={args.steps}"] if args.steps else [])
-    setup_logging("learner", cfg.run.log_level)
+    rank = os.environ.get("RANK", "0") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None
+    setup_logging("learner" if rank is None else f"learner-r{rank}", cfg.run.log_level)
     log_config(cfg)
     pin_cpus(cfg.learner.cpus, "learner.cpus")
     from learner.worker import main as run

@@ -37,42 +37,29 @@ class LossConfig:
     """Dr.GRPO: normalise by a constant token count instead of the mask sum."""
 
 
-def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """logits (N, T, V), tokens (N, T) -> (N, T) log-prob of tokens[:, t] given tokens[:, :t];
-    position 0 has no prediction and gets 0 (it is always context)."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (N, T-1, V)
-    picked = logp.gather(-1, tokens[:, 1:].unsqueeze(-1)).squeeze(-1)  # (N, T-1)
-    return torch.nn.functional.pad(picked, (1, 0))
-
-
-def token_entropy(logits: torch.Tensor) -> torch.Tensor:
-    """logits (N, T, V) -> (N, T) entropy of the distribution that produced tokens[:, t]
-    (from logits[:, t - 1]); position 0 gets 0, like token_logprobs."""
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)  # (N, T-1, V)
-    entropy = -(logp.exp() * logp).sum(-1)  # (N, T-1)
-    return torch.nn.functional.pad(entropy, (1, 0))
-
-
 def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def policy_loss(cur_logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
                 advantages: torch.Tensor, loss_mask: torch.Tensor, cfg: LossConfig,
-                norm_tokens: float | None = None) -> tuple[torch.Tensor, dict[str, float]]:
+                norm_tokens: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Decoupled PPO with a capped behaviour weight (ARCHITECTURE.md, default loss).
 
-    cur/prox/behav_logprobs, loss_mask: (N, T); advantages: (N,) or (N, T).
-    w = min(exp(lp - lb), C) (no grad), tokens with exp(lp - lb) > reject masked out;
-    r = exp(lc - lp); loss = -(1/sum m) sum m w min(r A, clip(r, 1-eps_low, 1+eps_high) A).
+    cur/prox/behav_logprobs, loss_mask: any shape S; advantages: S, or (N,) for S = (N, T).
+    w = min(exp(lp - lb), C) (no grad), tokens with exp(lp - lb) > reject get weight 0;
+    r = exp(lc - lp); loss = -(1/n) sum m w min(r A, clip(r, 1-eps_low, 1+eps_high) A), with n
+    the trained tokens (`norm_tokens`, default sum m) counted before rejection, as AReaL does: it
+    is known before the forward, so micro-batches and ranks sum to the loss of the whole batch.
+    Returns the loss and sums over these tokens (`loss_metrics` turns summed sums into metrics).
     """
-    if advantages.dim() == 1:
+    if advantages.shape != cur_logprobs.shape:
         advantages = advantages.unsqueeze(1).expand_as(cur_logprobs)
-    mask = loss_mask.float()
+    m = loss_mask.float()
     behav_ratio = torch.exp(prox_logprobs - behav_logprobs).detach()
-    rejected = (behav_ratio > cfg.behav_reject) & (mask > 0)
-    truncated = (behav_ratio > cfg.behav_weight_cap) & (mask > 0) & ~rejected
-    mask = mask * (~rejected).float()
+    rejected = (behav_ratio > cfg.behav_reject) & (m > 0)
+    truncated = (behav_ratio > cfg.behav_weight_cap) & (m > 0) & ~rejected
+    kept = m * (~rejected).float()
     weight = behav_ratio.clamp(max=cfg.behav_weight_cap)
 
     ratio = torch.exp(cur_logprobs - prox_logprobs.detach())
@@ -81,21 +68,35 @@ def policy_loss(cur_logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_l
     objective = torch.minimum(unclipped, clipped)
     if cfg.dual_clip is not None:
         objective = torch.where(advantages < 0, torch.maximum(objective, cfg.dual_clip * advantages), objective)
-    denom = norm_tokens if norm_tokens is not None else mask.sum().clamp(min=1.0)
-    loss = -(mask * weight * objective).sum() / denom
+    denom = norm_tokens if norm_tokens is not None else m.sum().clamp(min=1.0)
+    loss = -(kept * weight * objective).sum() / denom
 
     with torch.no_grad():
-        m = loss_mask.float()
-        n = m.sum().clamp(min=1.0)
-        w_kept = weight[mask > 0]
-        log_ratio = (prox_logprobs - behav_logprobs)[m > 0]
-        metrics = {
-            "ess": float(w_kept.sum() ** 2 / (w_kept.numel() * (w_kept ** 2).sum()).clamp(min=EPS)) if w_kept.numel() else 1.0,
+        log_ratio = (prox_logprobs - behav_logprobs) * m
+        w_kept = weight * kept
+        stats = {
+            "tokens": m.sum(), "kept": kept.sum(), "w": w_kept.sum(), "w2": (w_kept ** 2).sum(),
             # k3 estimator of KL(behaviour || proximal), always >= 0.
-            "mismatch_kl": float((torch.exp(log_ratio) - log_ratio - 1).mean()) if log_ratio.numel() else 0.0,
-            "frac_truncated": float(truncated.float().sum() / n),
-            "frac_rejected": float(rejected.float().sum() / n),
-            "frac_clipped": float(((unclipped != objective) & (mask > 0)).float().sum() / n),
-            "ratio_mean": float((ratio * mask).sum() / mask.sum().clamp(min=1.0)),
+            "kl": ((torch.exp(log_ratio) - log_ratio - 1) * m).sum(),
+            "truncated": truncated.float().sum(), "rejected": rejected.float().sum(),
+            "clipped": ((unclipped != objective) & (kept > 0)).float().sum(), "ratio": (ratio * kept).sum(),
         }
-    return loss, metrics
+    return loss, stats
+
+
+def add_stats(total: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: total.get(k, 0.0) + stats.get(k, 0.0) for k in {**total, **stats}}
+
+
+def loss_metrics(stats: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Summed `policy_loss` stats -> ess, mismatch_kl and fractions of the trained tokens."""
+    s = {k: float(v) for k, v in stats.items()}
+    n, kept = max(s["tokens"], 1.0), max(s["kept"], 1.0)
+    return {
+        "ess": s["w"] ** 2 / (s["kept"] * s["w2"]) if s["kept"] and s["w2"] > 0 else 1.0,
+        "mismatch_kl": s["kl"] / n,
+        "frac_truncated": s["truncated"] / n,
+        "frac_rejected": s["rejected"] / n,
+        "frac_clipped": s["clipped"] / n,
+        "ratio_mean": s["ratio"] / kept,
+    }

@@ -60,15 +60,20 @@ class RecentIds:
         return list(self._order)
 
 
-def save_checkpoint(directory: str | Path, state: LearnerState, model: torch.nn.Module,
-                    optimizer: torch.optim.Optimizer, keep: int) -> Path:
+FORMAT = 2
+"""Unsharded state named by parameter path (torch.distributed.checkpoint's full state dict), so a
+checkpoint resumes on any rank count and `parallel` kind. Format 1 (before ranks) is refused."""
+
+
+def save_checkpoint(directory: str | Path, state: LearnerState, model_state: dict, optim_state: dict,
+                    keep: int) -> Path:
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step-{state.step:08d}.pt"
     tmp = path.with_suffix(".tmp")
     with open(tmp, "wb") as f:
-        torch.save({"state": dataclasses.asdict(state), "model": model.state_dict(),
-                    "optimizer": optimizer.state_dict()}, f)
+        torch.save({"format": FORMAT, "state": dataclasses.asdict(state), "model": model_state,
+                    "optimizer": optim_state}, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -81,15 +86,17 @@ def _checkpoints(directory: Path) -> list[Path]:
     return sorted(p for p in directory.glob("step-*.pt") if _NAME.match(p.name))
 
 
-def load_latest(directory: str | Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> LearnerState | None:
-    """Restore the newest checkpoint into model and optimizer; None if there is none."""
+def latest_checkpoint(directory: str | Path) -> Path | None:
     found = _checkpoints(Path(directory)) if Path(directory).is_dir() else []
-    if not found:
-        return None
-    data = torch.load(found[-1], map_location="cpu", weights_only=True)
-    model.load_state_dict(data["model"])
-    optimizer.load_state_dict(data["optimizer"])
+    return found[-1] if found else None
+
+
+def read_checkpoint(path: Path) -> tuple[LearnerState, dict, dict]:
+    """(state, model state, optimizer state) of a checkpoint file."""
+    data = torch.load(path, map_location="cpu", weights_only=True)
+    if data.get("format") != FORMAT:
+        raise SystemExit(f"error: {path} was written by an older learner (format {data.get('format', 1)}, this one "
+                         f"reads {FORMAT}): start a new run dir, or export it with the version that wrote it")
     state = LearnerState(**{"groups_trained": len(data["state"]["trained_ids"]), **data["state"]})
-    log.info("resumed from %s: step %d, version %d, %d groups trained", found[-1], state.step, state.version,
-             state.groups_trained)
-    return state
+    log.info("read %s: step %d, version %d, %d groups trained", path, state.step, state.version, state.groups_trained)
+    return state, data["model"], data["optimizer"]

@@ -1,4 +1,12 @@
-"""One optimizer step on a batch: proximal log-probs, the off-policy loss, AdamW."""
+"""Optimizer steps on a batch: the batch is cut into minibatches (one optimizer step each,
+repeated for `ppo_epochs`), each minibatch across ranks by tokens and into micro-batches of
+at most `max_tokens_per_microbatch` padded tokens whose gradients are accumulated. Every
+micro-batch's loss is divided by the minibatch's trained-token count, so the step equals
+one forward of the whole minibatch on one process.
+
+Proximal log-probs are computed once, before the first update, when there are several
+updates per batch; with one (the default) they equal the current ones and are not computed.
+"""
 
 from __future__ import annotations
 
@@ -10,68 +18,158 @@ from safetensors.torch import save as save_safetensors
 
 from common.config import LearnerConfig
 from common.timing import Timer
-from learner.algorithms import LossConfig, masked_mean, policy_loss, token_entropy, token_logprobs
-from learner.batch import Batch
+from learner.algorithms import LossConfig, add_stats, loss_metrics, policy_loss
+from learner.batch import Batch, MicroBatch, plan
+from learner.distributed import Single, resolve_device
+from learner.scoring import PolicyScorer
 
 log = logging.getLogger(__name__)
 
+PREFIX = "lm."  # the scorer's name for the causal LM inside it
+STATS = ("tokens", "kept", "w", "w2", "kl", "truncated", "rejected", "clipped", "ratio", "loss", "entropy",
+         "generated")  # summed over micro-batches, updates and ranks
+
 
 class Trainer:
-    def __init__(self, model: torch.nn.Module, cfg: LearnerConfig):
-        self.model, self.cfg = model, cfg
-        self.optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, parallel: Single | None = None):
+        self.cfg = cfg
+        self.parallel = parallel or Single(resolve_device(cfg.device, 0))
+        self.device = self.parallel.device
+        self.model = model.to(self.device)  # fp32 master weights; bf16 only inside autocast
+        if cfg.gradient_checkpointing:
+            model.config.use_cache = False
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.scorer = self.parallel.wrap(PolicyScorer(model, cfg.vocab_chunk))
+        self.optimizer = torch.optim.AdamW(self.scorer.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.loss_cfg = LossConfig(cfg.clip_eps_low, cfg.clip_eps_high, cfg.behav_weight_cap, cfg.behav_reject,
                                    cfg.dual_clip)
         self.timer = Timer()
         self.skipped_nonfinite = 0  # optimizer steps skipped for a non-finite loss or gradient
 
-    def _logits(self, batch: Batch) -> torch.Tensor:
-        return self.model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits  # (N, T, V)
+    def _autocast(self):
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
+
+    def _score(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        with self._autocast():
+            return self.scorer(mb.tokens, mb.attention_mask, mb.rows, mb.temperature)  # (M,) each
 
     def train_step(self, batch: Batch) -> dict[str, float]:
-        metrics: dict[str, float] = {}
-        if batch.num_trained_tokens == 0 and self.cfg.entropy_coef == 0:
-            metrics.update({"learner/skipped": 1.0})
-            return metrics
-        self.model.train()
-        with self.timer("proximal"), torch.no_grad():
-            prox = token_logprobs(self._logits(batch), batch.tokens)  # (N, T)
-        with self.timer("forward"):
-            logits = self._logits(batch)
-            cur, entropy = token_logprobs(logits, batch.tokens), token_entropy(logits)  # (N, T) each
-            pg_loss, loss_metrics = policy_loss(cur, prox, batch.behav_logprobs, batch.advantages, batch.loss_mask,
-                                                self.loss_cfg)
-            # Over every generated token, groups without signal included: that is where a
-            # collapsed (deterministic) policy needs the push back towards exploring.
-            mean_entropy = masked_mean(entropy, batch.generated_mask)
-            loss = pg_loss - self.cfg.entropy_coef * mean_entropy
-        with self.timer("backward"):
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
-        # Bad numbers never reach the weights: a non-finite loss or gradient skips the update.
-        finite = bool(torch.isfinite(loss.detach()) and torch.isfinite(grad_norm))
-        if finite:
-            with self.timer("optimizer"):
-                self.optimizer.step()
-        else:
-            self.skipped_nonfinite += 1
-            log.warning("non-finite loss (%s) or gradient norm (%s): optimizer step skipped (%d so far)",
-                        float(loss.detach()), float(grad_norm), self.skipped_nonfinite)
-        # Freed now, not before the next backward: kept, they would sit through the next step's
-        # forward passes (`omrl bench learner` measured 4% more peak memory on a 100M model).
+        cfg, rank = self.cfg, self.parallel.rank
+        if batch.num_trained_tokens == 0 and cfg.entropy_coef == 0:
+            return {"learner/skipped": 1.0}
+        self.scorer.train()
+        steps = plan(batch, cfg.minibatches, self.parallel.world, cfg.max_tokens_per_microbatch)
+        updates = cfg.ppo_epochs * len(steps.minibatches)
+        if updates > 1:
+            with self.timer("proximal"):
+                self._proximal(batch, [micro for mb in steps.minibatches for micro in mb[rank]])
+        totals: dict[str, torch.Tensor] = {}
+        grad_norms = []
+        for _ in range(cfg.ppo_epochs):
+            for mb in steps.minibatches:
+                stats, grad_norm = self._update(batch, mb)
+                totals = add_stats(totals, stats)
+                grad_norms.append(grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        metrics["learner/skipped_nonfinite"] = float(self.skipped_nonfinite)
-        metrics["learner/loss/policy"] = float(pg_loss.detach())
-        metrics["learner/entropy"] = float(mean_entropy.detach())
-        metrics["learner/grad_norm"] = float(grad_norm)
-        metrics.update({f"learner/{k}": v for k, v in loss_metrics.items()})
+        summed = self.parallel.all_reduce(torch.tensor([float(totals.get(k, 0.0)) for k in STATS], dtype=torch.float64))
+        summed = dict(zip(STATS, summed.tolist()))
+        metrics = {f"learner/{k}": v for k, v in loss_metrics(summed).items()}
+        metrics.update({
+            "learner/loss/policy": summed["loss"] / updates,
+            "learner/entropy": summed["entropy"] / max(summed["generated"], 1.0),
+            "learner/grad_norm": sum(grad_norms) / len(grad_norms),
+            "learner/skipped_nonfinite": float(self.skipped_nonfinite),
+            "learner/updates": float(updates),
+            "learner/microbatches": float(sum(len(mb[rank]) for mb in steps.minibatches)),
+            "learner/padding_frac": steps.padding_frac,
+        })
         metrics.update(self.timer.pop("learner/time/"))
         return metrics
 
+    @torch.no_grad()
+    def _proximal(self, batch: Batch, micros: list[list[int]]) -> None:
+        """The log-probs of the weights before the first update, for this rank's samples."""
+        batch.prox_logprobs = torch.zeros_like(batch.behav_logprobs)
+        for idx in micros:
+            if idx:
+                mb = batch.micro(idx, self.device)
+                batch.prox_logprobs[mb.cpu_rows] = self._score(mb)[0].float().cpu()
+
+    def _update(self, batch: Batch, minibatch: list[list[list[int]]]) -> tuple[dict[str, torch.Tensor], float]:
+        """One optimizer step on a minibatch (every rank's micro-batches); returns this rank's
+        summed stats and the global gradient norm."""
+        every = [i for micros in minibatch for idx in micros for i in idx]
+        n_train = batch.loss_mask[every].sum().clamp(min=1.0).item()
+        n_gen = batch.generated_mask[every].sum().clamp(min=1.0).item()
+        # DDP and FSDP2 average gradients over ranks; the loss is a sum over the whole minibatch.
+        scale = float(self.parallel.world)
+        micros = minibatch[self.parallel.rank]
+        stats: dict[str, torch.Tensor] = {}
+        for j, idx in enumerate(micros):
+            with self.parallel.no_grad_sync(self.scorer, skip=j < len(micros) - 1):
+                with self.timer("forward"):
+                    loss, mb_stats = self._micro_loss(batch, idx, n_train, n_gen)
+                with self.timer("backward"):
+                    (loss * scale).backward()
+            stats = add_stats(stats, mb_stats)
+        with self.timer("optimizer"):
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.scorer.parameters(), self.cfg.grad_clip)
+            grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
+            # Bad numbers never reach the weights: a non-finite loss or gradient on any rank skips the update.
+            bad = self.parallel.all_reduce(torch.tensor([float(not torch.isfinite(stats.get("loss", torch.zeros(()))))]))
+            finite = bool(torch.isfinite(grad_norm)) and float(bad) == 0
+            if finite:
+                self.optimizer.step()
+            else:
+                self.skipped_nonfinite += 1
+                log.warning("non-finite loss (%s) or gradient norm (%s): optimizer step skipped (%d so far)",
+                            float(stats.get("loss", 0.0)), float(grad_norm), self.skipped_nonfinite)
+            # Freed now, not before the next backward: kept, they would sit through the next forward
+            # (`omrl bench learner` measured 4% more peak memory on a 100M model).
+            self.optimizer.zero_grad(set_to_none=True)
+        return stats, float(grad_norm)
+
+    def _micro_loss(self, batch: Batch, idx: list[int], n_train: float, n_gen: float
+                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if not idx:  # this rank's idle pass: the collectives of a forward and backward, no gradient
+            return self._idle_loss(), {}
+        mb = batch.micro(idx, self.device)
+        cur, entropy = self._score(mb)  # (M,) each
+        prox = mb.prox_logprobs if mb.prox_logprobs is not None else cur.detach()
+        pg_loss, stats = policy_loss(cur, prox, mb.behav_logprobs, mb.advantages, mb.loss_mask, self.loss_cfg,
+                                     norm_tokens=n_train)
+        # Over every generated token, groups without signal included: that is where a
+        # collapsed (deterministic) policy needs the push back towards exploring.
+        loss = pg_loss - self.cfg.entropy_coef * entropy.sum() / n_gen
+        stats.update(loss=pg_loss.detach(), entropy=entropy.detach().sum(), generated=torch.tensor(float(len(cur))))
+        return loss, {k: v.detach().float().cpu() for k, v in stats.items()}
+
+    def _idle_loss(self) -> torch.Tensor:
+        tokens = torch.zeros((1, 2), dtype=torch.long, device=self.device)
+        rows = torch.tensor([[0, 1]], device=self.device)
+        with self._autocast():
+            cur, _ = self.scorer(tokens, torch.ones_like(tokens), rows, torch.ones(1, device=self.device))
+        return cur.sum() * 0.0
+
+    def full_state(self) -> tuple[dict, dict]:
+        """Model and optimizer state, unsharded, on CPU, on rank 0 (every rank must call it)."""
+        return self.parallel.full_state(self.scorer, self.optimizer)
+
+    def load_state(self, model_state: dict, optim_state: dict) -> None:
+        """The inverse of full_state (the states are read on rank 0; every rank must call it)."""
+        self.parallel.load_full_state(self.scorer, self.optimizer, model_state, optim_state)
+
+    def hf_state(self) -> dict[str, torch.Tensor]:
+        """The policy's weights on CPU as the Hugging Face checkpoint names them, on rank 0 (empty
+        elsewhere; every rank must call it). A tied output layer is left out, as save_pretrained does."""
+        state, _ = self.parallel.full_state(self.scorer)
+        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        return {k[len(PREFIX):]: v for k, v in state.items() if not (tied and k == PREFIX + "lm_head.weight")}
+
     def weights_blob(self) -> bytes:
-        """The weights as safetensors bytes, named as in the Hugging Face checkpoint."""
-        state = {k: v.detach().contiguous() for k, v in self.model.state_dict().items()}
-        return save_safetensors(state)
+        """The weights as safetensors bytes (rank 0; every rank must call it)."""
+        state = self.hf_state()
+        return save_safetensors({k: v.contiguous() for k, v in state.items()}) if self.parallel.is_main else b""
 
 
 def learn(trainer: Trainer, batches: Iterable[Batch]) -> Iterator[dict[str, float]]:

@@ -8,29 +8,37 @@ them, and a group whose id was already trained on is acknowledged and skipped.
 On SIGTERM or SIGINT the learner finishes the step it is in, commits what it trained on
 (checkpoint, then acknowledgements) and exits with 128 + the signal's number; it exits 0
 only when it reached `learner.steps`, so a supervisor can tell "done" from "stopped".
+
+With several ranks (torchrun), rank 0 is this shell; it tells the other ranks each
+operation that holds collectives (restore, train on these groups, gather the weights or
+the checkpoint state, stop) and runs it with them. The other ranks only follow.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import signal
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import torch
 
 from broker.admission import floor_accepted
 from broker.weights import WeightStore, WeightsTooLarge
 from common.config import Config
-from common.messages import RolloutGroup
+from common.messages import RolloutGroup, decode_group
 from common.metrics import JsonlSink
 from common.models import load_causal_lm
 from learner.batch import collate
 from learner.bridge import BrokerBridge, Delivery
-from learner.checkpoint import LearnerState, RecentIds, load_latest, save_checkpoint
+from learner.checkpoint import LearnerState, RecentIds, latest_checkpoint, read_checkpoint, save_checkpoint
+from learner.distributed import Single, setup
 from learner.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -49,6 +57,59 @@ class Learner:
         self.uncommitted: list[Delivery] = []  # trained on, not yet in a checkpoint
         self.counts = {"duplicates": 0, "stale": 0}
         self.checkpoint_dir = Path(cfg.run.run_dir) / "checkpoints"
+        self.parallel: Single | None = None
+        self.trainer: Trainer | None = None
+        self.saving: tuple[Future, list[Delivery], int] | None = None  # a checkpoint being written, its groups
+        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self.checkpoint_s = 0.0  # time the last checkpoint held the training loop
+        self.ops = {"restore": self._op_restore, "train": self._op_train, "weights": self._op_weights,
+                    "checkpoint": self._op_checkpoint, "final": self._op_final}
+
+    # -- operations every rank runs together ---------------------------------------------
+    def _all(self, op: str, payload=None):
+        """Rank 0: have every other rank run `op` too, then run it here."""
+        if self.parallel.world > 1:
+            self.parallel.broadcast_bytes(msgpack.packb({"op": op, "payload": payload}, use_bin_type=True))
+        return self.ops[op](payload)
+
+    def _follow(self) -> int:
+        """Ranks > 0: run what rank 0 says until it says stop."""
+        # The signal goes to every rank; rank 0 decides when to stop and tells the others.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        while True:
+            msg = msgpack.unpackb(self.parallel.broadcast_bytes(None), raw=False)
+            if msg["op"] == "stop":
+                return int(msg["payload"])
+            self.ops[msg["op"]](msg["payload"])
+
+    def _op_restore(self, path: str | None) -> LearnerState | None:
+        if path is None:
+            return None
+        state, model_state, optim_state = read_checkpoint(Path(path)) if self.parallel.is_main else (None, {}, {})
+        self.trainer.load_state(model_state, optim_state)
+        return state
+
+    def _op_train(self, datas: list[bytes]) -> dict:
+        groups = [decode_group(d) for d in datas]
+        return self.trainer.train_step(collate(groups, scale_by_std=self.cfg.learner.algorithm == "grpo"))
+
+    def _op_weights(self, _=None) -> bytes:
+        return self.trainer.weights_blob()
+
+    def _op_checkpoint(self, _=None) -> tuple[dict, dict]:
+        return self.trainer.full_state()
+
+    def _op_final(self, _=None) -> Path:
+        """The trained weights with the tokenizer, as a Hugging Face model directory."""
+        state = self.trainer.hf_state()
+        final = Path(self.cfg.run.run_dir) / "final"
+        if self.parallel.is_main:
+            from transformers import AutoTokenizer
+
+            self.trainer.model.save_pretrained(final, state_dict=state, safe_serialization=True)
+            AutoTokenizer.from_pretrained(self.cfg.model.path).save_pretrained(final)
+        return final
 
     def _on_signal(self, signum, frame) -> None:
         log.info("signal %d: stopping after this step, committing what was trained on", signum)
@@ -63,6 +124,7 @@ class Learner:
         lcfg = self.cfg.learner
         batch: list[Delivery] = []
         while len(batch) < lcfg.groups_per_step and not self.stopping:
+            self._acknowledge_saved(bridge, wait=False)  # a background checkpoint may have ended meanwhile
             d = bridge.get(timeout=0.5)
             if d is None:
                 continue
@@ -82,9 +144,9 @@ class Learner:
             batch.append(d)
         return batch
 
-    def _publish(self, bridge: BrokerBridge, trainer: Trainer) -> None:
+    def _publish(self, bridge: BrokerBridge) -> None:
         store: WeightStore = bridge.store
-        blob = trainer.weights_blob()
+        blob = self._all("weights")
         version, step = self.state.version, self.state.step
         keys = bridge.keys
 
@@ -101,25 +163,52 @@ class Learner:
         except WeightsTooLarge as exc:
             raise SystemExit(f"error: {exc}") from None
 
-    def _commit(self, bridge: BrokerBridge, trainer: Trainer) -> None:
-        """Checkpoint, then acknowledge every group the checkpoint holds."""
+    def _commit(self, bridge: BrokerBridge, background: bool) -> None:
+        """Checkpoint what was trained on; acknowledge its groups once the file is durable (now,
+        or when the background write ends: `_acknowledge_saved`)."""
+        t0 = time.perf_counter()
+        self._acknowledge_saved(bridge, wait=True)  # at most one checkpoint in flight
         self.state.trained_ids = self.seen.to_list()
-        save_checkpoint(self.checkpoint_dir, self.state, trainer.model, trainer.optimizer, self.cfg.learner.keep_checkpoints)
-        bridge.ack(self.uncommitted)
-        self.uncommitted = []
-        committed, keys = self.state.groups_trained, bridge.keys
+        model_state, optim_state = self._all("checkpoint")
+        state, deliveries, self.uncommitted = copy.deepcopy(self.state), self.uncommitted, []
+        future = self.writer.submit(save_checkpoint, self.checkpoint_dir, state, model_state, optim_state,
+                                    self.cfg.learner.keep_checkpoints)
+        self.saving = (future, deliveries, state.groups_trained)
+        if not background:
+            self._acknowledge_saved(bridge, wait=True)
+        self.checkpoint_s = time.perf_counter() - t0
+
+    def _acknowledge_saved(self, bridge: BrokerBridge, wait: bool) -> None:
+        if self.saving is None or not (wait or self.saving[0].done()):
+            return
+        (future, deliveries, committed), self.saving = self.saving, None
+        future.result()  # a failed write fails the learner: its groups stay pending, nothing is lost
+        bridge.ack(deliveries)
+        keys = bridge.keys
         # For the run's accounting: trained and acknowledged (no longer in a stream).
         bridge.call(lambda: bridge.client.hset(keys.learner_state, "groups_committed", committed), "learner state")
 
     def run(self) -> int:
         """Train to learner.steps (exit code 0) or until a signal (128 + its number)."""
+        lcfg = self.cfg.learner
+        self.parallel = setup(lcfg.parallel, lcfg.device)
+        torch.manual_seed(lcfg.seed)
+        torch.set_num_threads(lcfg.threads)
+        # fp32 master weights whatever model.dtype (the actors' inference dtype) says; learner.precision
+        # sets the compute.
+        self.trainer = Trainer(load_causal_lm(self.cfg.model.path, "float32"), lcfg, self.parallel)
+        try:
+            return self._lead() if self.parallel.is_main else self._follow()
+        finally:
+            self.writer.shutdown(wait=True)
+            self.parallel.close()
+
+    def _lead(self) -> int:
         cfg, lcfg = self.cfg, self.cfg.learner
         signal.signal(signal.SIGTERM, self._on_signal)
         signal.signal(signal.SIGINT, self._on_signal)
-        torch.manual_seed(lcfg.seed)
-        torch.set_num_threads(lcfg.threads)
-        trainer = Trainer(load_causal_lm(cfg.model.path, cfg.model.dtype), lcfg)
-        restored = load_latest(self.checkpoint_dir, trainer.model, trainer.optimizer)
+        found = latest_checkpoint(self.checkpoint_dir)
+        restored = self._all("restore", str(found) if found else None)
         bridge = BrokerBridge(cfg.redis, consumer=lcfg.consumer, keep_versions=lcfg.keep_versions,
                               queue_size=2 * lcfg.groups_per_step, read_count=lcfg.groups_per_step).start()
         latest = bridge.call(bridge.store.latest, "read the weight version")
@@ -130,14 +219,16 @@ class Learner:
             # First start, or weights newer than the checkpoint were published before a crash:
             # publish what this learner holds under a fresh version number.
             self.state.version = max(self.state.version, latest["version"] + 1 if latest else 0)
-            self._publish(bridge, trainer)
+            self._publish(bridge)
         if self.state.step >= lcfg.steps:
             log.warning("the checkpoint in %s is at step %d, learner.steps is %d: nothing to do (use a new run dir "
                         "or raise --steps to continue)", self.checkpoint_dir, self.state.step, lcfg.steps)
         sink = JsonlSink(Path(cfg.run.run_dir) / "metrics.jsonl")
-        log.info("learner ready: step %d, version %d, %d steps of %d groups", self.state.step, self.state.version,
-                 lcfg.steps, lcfg.groups_per_step)
+        log.info("learner ready: step %d, version %d, %d steps of %d groups, %d rank(s) (%s) on %s", self.state.step,
+                 self.state.version, lcfg.steps, lcfg.groups_per_step, self.parallel.world,
+                 lcfg.parallel if self.parallel.world > 1 else "single", self.parallel.device)
         step_times: deque[float] = deque([time.monotonic()], maxlen=2)
+        code = 0
         try:
             while self.state.step < lcfg.steps:
                 waited = time.monotonic()
@@ -146,46 +237,44 @@ class Learner:
                 if self.stopping:
                     break
                 self.state.groups_trained += len(batch)
-                record = self._step(trainer, bridge, [d.group for d in batch])
+                record = self._step(bridge, batch)
                 self.uncommitted += batch
                 self.seen.add(d.group.group_id for d in batch)
                 step_times.append(time.monotonic())
                 dt = step_times[1] - step_times[0]
                 record.update(self._evals(bridge))
                 record.update({"time": time.time(), "perf/step_s": dt, "perf/wait_s": waited,
+                               "perf/checkpoint_s": self.checkpoint_s,
                                "perf/groups_per_s": len(batch) / dt,
                                "perf/tokens_per_s": record["batch/generated_tokens"] / dt,
                                "batch/group_ids": [d.group.group_id for d in batch]})
                 # The record before the checkpoint: a crash between them trains the step again and
                 # writes its record twice (the last one counts), never a checkpointed step without one.
                 sink.write(record)
+                self.checkpoint_s = 0.0
                 if self.state.step % lcfg.checkpoint_every == 0 or self.state.step == lcfg.steps:
-                    self._commit(bridge, trainer)
+                    self._commit(bridge, background=lcfg.checkpoint_async and self.state.step < lcfg.steps)
+                self._acknowledge_saved(bridge, wait=False)
                 log.info("step %d reward %.3f groups/s %.2f tokens/s %.0f version %d staleness %.2f",
                          self.state.step, record["reward/mean"], record["perf/groups_per_s"],
                          record["perf/tokens_per_s"], self.state.version, record["staleness/mean"])
             if self.uncommitted:  # stopped between checkpoints: clean stops lose nothing
-                self._commit(bridge, trainer)
+                self._commit(bridge, background=False)
+            self._acknowledge_saved(bridge, wait=True)
+            if self.stopping and self.state.step < lcfg.steps:
+                code = 128 + self.stopped_by
+                log.info("stopped by signal %d at step %d, version %d (committed)", self.stopped_by, self.state.step,
+                         self.state.version)
+            else:
+                final = self._all("final")
+                log.info("learner done at step %d, version %d; the trained model is in %s (omrl eval --model %s)",
+                         self.state.step, self.state.version, final, final)
         finally:
             sink.close()
             bridge.stop()
-        if self.stopping and self.state.step < lcfg.steps:
-            log.info("stopped by signal %d at step %d, version %d (committed)", self.stopped_by, self.state.step,
-                     self.state.version)
-            return 128 + self.stopped_by
-        final = self._save_final(trainer)
-        log.info("learner done at step %d, version %d; the trained model is in %s (omrl eval --model %s)",
-                 self.state.step, self.state.version, final, final)
-        return 0
-
-    def _save_final(self, trainer: Trainer) -> Path:
-        """The trained weights with the tokenizer, as a Hugging Face model directory."""
-        from transformers import AutoTokenizer
-
-        final = Path(self.cfg.run.run_dir) / "final"
-        trainer.model.save_pretrained(final, safe_serialization=True)
-        AutoTokenizer.from_pretrained(self.cfg.model.path).save_pretrained(final)
-        return final
+        if self.parallel.world > 1:
+            self.parallel.broadcast_bytes(msgpack.packb({"op": "stop", "payload": code}))
+        return code
 
     @staticmethod
     def _evals(bridge: BrokerBridge) -> dict:
@@ -195,31 +284,32 @@ class Learner:
             newest = bridge.evals.pop(0)
         return {f"eval/{k}": v for k, v in newest.items()} if newest else {}
 
-    def _step(self, trainer: Trainer, bridge: BrokerBridge, groups: list[RolloutGroup]) -> dict:
+    def _step(self, bridge: BrokerBridge, deliveries: list[Delivery]) -> dict:
         lcfg = self.cfg.learner
-        batch = collate(groups, scale_by_std=lcfg.algorithm == "grpo")
+        groups = [d.group for d in deliveries]
         staleness = np.array([self.state.version - g.oldest_version() for g in groups])
-        metrics = trainer.train_step(batch)
+        metrics = self._all("train", [d.data for d in deliveries])
         self.state.step += 1
         if self.state.step % lcfg.publish_every == 0:
             self.state.version += 1
             t0 = time.perf_counter()
-            self._publish(bridge, trainer)
+            self._publish(bridge)
             metrics["learner/time/publish_s"] = time.perf_counter() - t0
         generated = np.concatenate([s.versions[s.loss_mask.astype(bool)] for g in groups for s in g.samples])
         samples = [s for g in groups for s in g.samples]
+        rewards = np.array([s.reward for s in samples], np.float32)
         turns = sum(s.num_turns for s in samples)
         return {
             "step": self.state.step,
             "weight_version": self.state.version,
-            "reward/mean": float(batch.rewards.mean()),
-            "reward/std": float(batch.rewards.std()),
+            "reward/mean": float(np.mean(rewards)),
+            "reward/std": float(np.std(rewards)),
             "reward/env": float(np.mean([s.turn_rewards.sum() for s in samples])),
             "reward/success": float(np.mean([s.success for s in samples])),
             "actor/invalid_action_frac": sum(s.invalid_actions for s in samples) / max(1, turns),
             "batch/turns_mean": turns / len(samples),
             "batch/groups": len(groups),
-            "batch/zero_signal_frac": float((~batch.group_signal).mean()),
+            "batch/zero_signal_frac": float(np.mean([np.ptp(g.rewards) == 0 for g in groups])),
             "batch/generated_tokens": int(generated.size),
             "batch/version_min": int(generated.min()) if generated.size else -1,
             "batch/version_max": int(generated.max()) if generated.size else -1,

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from learner.algorithms import LossConfig, grpo_advantages, has_signal, policy_loss, token_entropy, token_logprobs
+from learner.algorithms import LossConfig, grpo_advantages, has_signal, loss_metrics, policy_loss
+from learner.scoring import head_logprobs
 
 
 def np_grpo(rewards, scale=True):
@@ -21,7 +22,7 @@ def np_loss(lc, lp, lb, adv, mask, C=2.0, reject=5.0, eps_low=0.2, eps_high=0.28
     obj = np.minimum(r * adv, np.clip(r, 1 - eps_low, 1 + eps_high) * adv)
     if dual is not None:
         obj = np.where(adv < 0, np.maximum(obj, dual * adv), obj)
-    return -(m * w * obj).sum() / m.sum()
+    return -(m * w * obj).sum() / mask.sum()  # over the trained tokens, rejected ones included
 
 
 def test_grpo_advantages_match_numpy():
@@ -47,7 +48,8 @@ def test_policy_loss_matches_numpy(dual):
     adv = rng.normal(0, 1, N).astype(np.float32)
     mask = (rng.random((N, T)) > 0.3).astype(np.float32)
     cfg = LossConfig(clip_eps_low=0.2, clip_eps_high=0.28, behav_weight_cap=2.0, behav_reject=5.0, dual_clip=dual)
-    loss, metrics = policy_loss(*(torch.from_numpy(x) for x in (lc, lp, lb, adv, mask)), cfg)
+    loss, stats = policy_loss(*(torch.from_numpy(x) for x in (lc, lp, lb, adv, mask)), cfg)
+    metrics = loss_metrics(stats)
     expected = np_loss(lc, lp, lb, adv, mask, eps_high=0.28, dual=dual)
     assert float(loss) == pytest.approx(expected, rel=1e-5)
     behav = np.exp(lp - lb)[mask > 0]
@@ -81,29 +83,44 @@ def test_on_policy_loss_is_minus_mean_advantage():
     lp = torch.full((N, T), -1.0)
     adv = torch.tensor([1.0, -1.0])
     mask = torch.tensor([[1.0, 1, 1], [1, 0, 0]])
-    loss, metrics = policy_loss(lp.clone(), lp, lp, adv, mask, LossConfig())
+    loss, stats = policy_loss(lp.clone(), lp, lp, adv, mask, LossConfig())
+    metrics = loss_metrics(stats)
     assert float(loss) == pytest.approx(-(3 * 1 - 1) / 4)
     assert metrics["ess"] == pytest.approx(1.0) and metrics["mismatch_kl"] == pytest.approx(0.0)
 
 
-def test_token_logprobs_picks_next_token():
-    logits = torch.randn(2, 5, 7)
-    tokens = torch.randint(0, 7, (2, 5))
-    got = token_logprobs(logits, tokens)
-    ref = torch.log_softmax(logits, -1)
-    assert torch.all(got[:, 0] == 0)
-    for t in range(1, 5):
-        torch.testing.assert_close(got[:, t], ref[torch.arange(2), t - 1, tokens[:, t]])
+def np_head(h, W, targets, temperature):
+    logits = (h.astype(np.float64) @ W.astype(np.float64).T) / temperature[:, None]
+    logp = logits - logits.max(-1, keepdims=True)
+    logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+    return logp[np.arange(len(targets)), targets], -(np.exp(logp) * logp).sum(-1)
 
 
-def test_token_entropy_matches_numpy():
-    logits = torch.randn(2, 4, 6)
-    got = token_entropy(logits).numpy()
-    x = logits.numpy().astype(np.float64)
-    p = np.exp(x - x.max(-1, keepdims=True))
-    p /= p.sum(-1, keepdims=True)
-    ref = -(p * np.log(p)).sum(-1)
-    assert np.all(got[:, 0] == 0)
-    np.testing.assert_allclose(got[:, 1:], ref[:, :-1], rtol=1e-5)
-    uniform = token_entropy(torch.zeros(1, 3, 6))
-    np.testing.assert_allclose(uniform[0, 1:].numpy(), np.log(6), rtol=1e-6)
+@pytest.mark.parametrize("vocab_chunk", [7, 64, 1000])  # 7 and 64 do not divide V
+def test_chunked_head_matches_numpy(vocab_chunk):
+    rng = np.random.default_rng(3)
+    M, H, V = 23, 8, 300
+    h, W = rng.normal(0, 1, (M, H)).astype(np.float32), rng.normal(0, 0.5, (V, H)).astype(np.float32)
+    targets, temperature = rng.integers(0, V, M), rng.uniform(0.5, 1.5, M).astype(np.float32)
+    logp, entropy = head_logprobs(torch.from_numpy(h), torch.from_numpy(W), torch.from_numpy(targets),
+                                  torch.from_numpy(temperature), vocab_chunk)
+    ref_logp, ref_entropy = np_head(h, W, targets, temperature)
+    np.testing.assert_allclose(logp.numpy(), ref_logp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(entropy.numpy(), ref_entropy, rtol=1e-5, atol=1e-5)
+    uniform = head_logprobs(torch.zeros(2, H), torch.from_numpy(W), torch.tensor([0, 1]), torch.ones(2), vocab_chunk)[1]
+    np.testing.assert_allclose(uniform.numpy(), np.log(V), rtol=1e-6)
+
+
+def test_chunked_head_gradient_matches_autograd():
+    torch.manual_seed(4)
+    M, H, V = 11, 6, 50
+    h, W = torch.randn(M, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
+    targets, temperature = torch.randint(0, V, (M,)), torch.rand(M) + 0.5
+    g_logp, g_entropy = torch.randn(M), torch.randn(M)
+    logp, entropy = head_logprobs(h, W, targets, temperature, vocab_chunk=16)
+    chunked = torch.autograd.grad((logp * g_logp + entropy * g_entropy).sum(), [h, W])
+    ref = torch.log_softmax((h @ W.T) / temperature[:, None], -1)
+    ref_logp, ref_entropy = ref.gather(1, targets[:, None]).squeeze(1), -(ref.exp() * ref).sum(-1)
+    plain = torch.autograd.grad((ref_logp * g_logp + ref_entropy * g_entropy).sum(), [h, W])
+    for got, want in zip(chunked, plain):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)

@@ -1,0 +1,169 @@
+"""torch.distributed for the learner, applied once from config (as torchtitan's
+`parallelize_llama`): the trainer calls these methods and never branches on the kind.
+
+- `single`: one process, no process group.
+- `ddp`: every rank holds the whole model; gradients are all-reduced (averaged) on the last
+  micro-batch of each optimizer step.
+- `fsdp2`: `fully_shard` per decoder layer and on the root: parameters, gradients and
+  optimizer state are sharded across ranks.
+
+torchrun sets RANK, WORLD_SIZE and LOCAL_RANK. The backend is NCCL when the learner's
+device is CUDA and gloo on CPU; the control messages (rank 0's plan for each step) always
+go over a gloo group, so the code is the same on both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import logging
+import os
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str, local_rank: int) -> torch.device:
+    """learner.device -> a torch device; `auto` is CUDA when present, one GPU per local rank."""
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("error: learner.device is 'cuda' but torch sees no CUDA GPU: set learner.device=cpu "
+                             "or install the CUDA build of torch")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+class Single:
+    """One process: every collective is the identity."""
+
+    rank, world, is_main = 0, 1, True
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module
+
+    @contextlib.contextmanager
+    def no_grad_sync(self, module: torch.nn.Module, skip: bool) -> Iterator[None]:
+        """Around a micro-batch's backward: skip the gradient exchange (all but the last)."""
+        yield
+
+    def all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
+        return t
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        assert data is not None
+        return data
+
+    def full_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
+                   ) -> tuple[dict, dict]:
+        """Unsharded copies of the model (and optimizer) state on CPU on rank 0, named by parameter
+        path (no wrapper prefix); empty dicts elsewhere. Every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+
+        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        if optimizer is None:
+            state = get_model_state_dict(module, options=opts), {}
+        else:
+            state = get_state_dict(module, optimizer, options=opts)
+        if self.device.type == "cpu":  # offloading copied nothing: copy, so that training can go on while it is written
+            state = torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+        return state
+
+    def load_full_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
+                        optim_state: dict) -> None:
+        """The inverse of full_state, at this run's rank count (which may differ from the saver's)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+
+        set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
+                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world > 1))
+
+    def close(self) -> None:
+        pass
+
+
+class _Distributed(Single):
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
+                                timeout=datetime.timedelta(minutes=30))
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.is_main = self.rank == 0
+        # Control messages (bytes) on the CPU, whatever the device.
+        self.control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+        log.info("rank %d of %d on %s (%s)", self.rank, self.world, device, backend)
+
+    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        dist.all_reduce(t, op=op)
+        return t
+
+    def broadcast_bytes(self, data: bytes | None) -> bytes:
+        size = torch.tensor([len(data) if self.is_main else 0], dtype=torch.long)
+        dist.broadcast(size, 0, group=self.control)
+        buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_main else \
+            torch.empty(int(size), dtype=torch.uint8)
+        dist.broadcast(buf, 0, group=self.control)
+        return data if self.is_main else buf.numpy().tobytes()
+
+    def close(self) -> None:
+        dist.destroy_process_group()
+
+
+class DDP(_Distributed):
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        from torch.nn.parallel import DistributedDataParallel
+
+        module.to(self.device)
+        return DistributedDataParallel(module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
+
+    @contextlib.contextmanager
+    def no_grad_sync(self, module: torch.nn.Module, skip: bool) -> Iterator[None]:
+        with module.no_sync() if skip else contextlib.nullcontext():
+            yield
+
+
+class FSDP2(_Distributed):
+    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+        from torch.distributed.fsdp import fully_shard
+
+        module.to(self.device)
+        for layer in decoder_layers(module):
+            fully_shard(layer)
+        fully_shard(module)  # the rest (embeddings, final norm, output layer) as one unit
+        return module
+
+    @contextlib.contextmanager
+    def no_grad_sync(self, module: torch.nn.Module, skip: bool) -> Iterator[None]:
+        module.set_requires_gradient_sync(not skip)
+        try:
+            yield
+        finally:
+            module.set_requires_gradient_sync(True)
+
+
+def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of a Hugging Face decoder (`model.layers` in Qwen2 and Llama)."""
+    found = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
+    if not found:
+        raise ValueError(f"{type(module).__name__}: no ModuleList of decoder layers to shard")
+    return list(max(found, key=len))
+
+
+KINDS = {"ddp": DDP, "fsdp2": FSDP2}
+
+
+def setup(parallel: str, device_name: str) -> Single:
+    """The process's place in the learner: `single` unless torchrun started it with WORLD_SIZE > 1."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    device = resolve_device(device_name, int(os.environ.get("LOCAL_RANK", "0")))
+    if world == 1:
+        return Single(device)
+    return KINDS[parallel](device)

@@ -1,0 +1,130 @@
+"""Token log-probs and entropies from a causal LM, without a (N, T, V) logits tensor.
+
+The backbone runs on the whole micro-batch; the output layer runs only on the rows that
+predict a scored token (the generated ones), in chunks of rows and of the vocabulary, and
+its backward recomputes each chunk's logits instead of keeping them. Peak memory of the
+head is `row_chunk * vocab_chunk` floats, whatever the batch or the vocabulary.
+
+Logits are divided by the sampling temperature of their row first, so the learner scores
+tokens under the distribution the actor sampled from (vLLM's `processed_logprobs`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+ROW_CHUNK = 4096
+"""Rows of the output layer computed at once (with `vocab_chunk` columns)."""
+
+
+class _HeadLogprobs(torch.autograd.Function):
+    """hidden (M, H), weight (V, H), targets (M,), inv_temp (M,) -> logp (M,), entropy (M,), fp32.
+
+    l = (hidden @ weight.T) * inv_temp; logp = l[target] - logsumexp(l); entropy = lse - E_p[l].
+    Backward: d logp / d l = onehot - p; d entropy / d l = -p * (l - E_p[l]).
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, inv_temp, vocab_chunk, compute_dtype):
+        M, V = hidden.shape[0], weight.shape[0]
+        logp = hidden.new_empty(M, dtype=torch.float32)
+        entropy = hidden.new_empty(M, dtype=torch.float32)
+        lse = hidden.new_empty(M, dtype=torch.float32)
+        mean_l = hidden.new_empty(M, dtype=torch.float32)
+        for r0 in range(0, M, ROW_CHUNK):
+            h = hidden[r0:r0 + ROW_CHUNK].to(compute_dtype)
+            scale = inv_temp[r0:r0 + ROW_CHUNK, None]
+            tgt = targets[r0:r0 + ROW_CHUNK]
+            run_max = torch.full((h.shape[0], 1), -float("inf"), device=h.device)
+            run_sum = torch.zeros((h.shape[0], 1), device=h.device)  # sum exp(l - max)
+            run_dot = torch.zeros((h.shape[0], 1), device=h.device)  # sum exp(l - max) * l
+            picked = torch.zeros(h.shape[0], device=h.device)
+            for v0 in range(0, V, vocab_chunk):
+                logits = (h @ weight[v0:v0 + vocab_chunk].to(compute_dtype).T).float() * scale  # (m, v)
+                new_max = torch.maximum(run_max, logits.max(-1, keepdim=True).values)
+                rescale = torch.exp(run_max - new_max)
+                e = torch.exp(logits - new_max)
+                run_sum = run_sum * rescale + e.sum(-1, keepdim=True)
+                run_dot = run_dot * rescale + (e * logits).sum(-1, keepdim=True)
+                run_max = new_max
+                inside = (tgt >= v0) & (tgt < v0 + logits.shape[1])
+                idx = (tgt - v0).clamp(0, logits.shape[1] - 1)
+                picked += torch.where(inside, logits.gather(1, idx[:, None]).squeeze(1), 0.0)
+            chunk_lse = (run_max + torch.log(run_sum)).squeeze(1)
+            chunk_mean = (run_dot / run_sum).squeeze(1)
+            lse[r0:r0 + ROW_CHUNK], mean_l[r0:r0 + ROW_CHUNK] = chunk_lse, chunk_mean
+            logp[r0:r0 + ROW_CHUNK] = picked - chunk_lse
+            entropy[r0:r0 + ROW_CHUNK] = chunk_lse - chunk_mean
+        ctx.save_for_backward(hidden, weight, targets, inv_temp, lse, mean_l)
+        ctx.vocab_chunk, ctx.compute_dtype = vocab_chunk, compute_dtype
+        return logp, entropy
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, targets, inv_temp, lse, mean_l = ctx.saved_tensors
+        vocab_chunk, dt = ctx.vocab_chunk, ctx.compute_dtype
+        grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
+        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        V = weight.shape[0]
+        for r0 in range(0, hidden.shape[0], ROW_CHUNK):
+            rows = slice(r0, r0 + ROW_CHUNK)
+            h, scale, tgt = hidden[rows].to(dt), inv_temp[rows, None], targets[rows]
+            g_lp, g_ent = grad_logp[rows, None].float(), grad_entropy[rows, None].float()
+            for v0 in range(0, V, vocab_chunk):
+                w = weight[v0:v0 + vocab_chunk].to(dt)
+                logits = (h @ w.T).float() * scale  # (m, v)
+                p = torch.exp(logits - lse[rows, None])
+                grad_logits = -p * (g_lp + g_ent * (logits - mean_l[rows, None]))
+                inside = (tgt >= v0) & (tgt < v0 + logits.shape[1])
+                idx = (tgt - v0).clamp(0, logits.shape[1] - 1)
+                grad_logits.scatter_add_(1, idx[:, None], torch.where(inside, g_lp[:, 0], 0.0)[:, None])
+                grad_logits = (grad_logits * scale).to(dt)  # through l = raw * inv_temp
+                grad_hidden[rows] += (grad_logits @ w).float()
+                grad_weight[v0:v0 + vocab_chunk] += (grad_logits.T @ h).float()
+        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None
+
+
+def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
+                  vocab_chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden (M, H), output weight (V, H), targets (M,), temperature (M,) -> log-prob of each
+    target and entropy of each row's distribution at its temperature, both (M,) fp32."""
+    compute_dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
+        else weight.dtype
+    # The chunks pick their own dtypes; autocast would recast them behind our back.
+    with torch.autocast(hidden.device.type, enabled=False):
+        return _HeadLogprobs.apply(hidden, weight, targets, 1.0 / temperature.float(), vocab_chunk, compute_dtype)
+
+
+class PolicyScorer(torch.nn.Module):
+    """A Hugging Face causal LM (`get_decoder()` and `get_output_embeddings()`, as Qwen2,
+    Llama and most decoders have) that returns the log-prob and entropy of chosen tokens.
+
+    The wrapper is the module DDP and FSDP2 wrap: the output layer's weight is used inside
+    its forward, where FSDP2 has it unsharded.
+    """
+
+    def __init__(self, lm: torch.nn.Module, vocab_chunk: int = 8192):
+        super().__init__()
+        head = lm.get_output_embeddings()
+        if head is None or getattr(head, "bias", None) is not None:
+            raise ValueError(f"{type(lm).__name__}: the learner needs an output layer without bias")
+        self.lm, self.vocab_chunk = lm, vocab_chunk
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
+                temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens, attention_mask (N, T); rows (M, 2) of (sample, t) with t >= 1: score tokens[n, t]
+        given tokens[n, :t]; temperature (M,). Returns logp, entropy (M,) fp32."""
+        hidden = self.lm.get_decoder()(input_ids=tokens, attention_mask=attention_mask).last_hidden_state  # (N, T, H)
+        picked = hidden[rows[:, 0], rows[:, 1] - 1]  # (M, H): the position before each scored token
+        targets = tokens[rows[:, 0], rows[:, 1]]
+        return head_logprobs(picked, self.lm.get_output_embeddings().weight, targets, temperature, self.vocab_chunk)
+
+
+def plain_logprobs(lm: torch.nn.Module, tokens: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: full logits, log_softmax, gather. Same signature as PolicyScorer's forward
+    less the mask (tests compare the two)."""
+    logits = lm(input_ids=tokens).logits.float()[rows[:, 0], rows[:, 1] - 1] / temperature[:, None]  # (M, V)
+    logp = torch.log_softmax(logits, -1)
+    return logp.gather(1, tokens[rows[:, 0], rows[:, 1]][:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
+
