@@ -44,8 +44,13 @@ def share_cpus() -> None:
 def engine_args(model: ModelConfig, actor: ActorConfig, model_path: str, seed: int) -> dict[str, Any]:
     """vLLM's engine arguments for an actor, the weight-reload extension apart (what the
     engine benchmark's offline baseline starts `vllm.LLM` with, too)."""
+    # Behaviour log-probs must be those of the distribution sampled from, as the learner scores
+    # tokens: vLLM's default ("raw_logprobs") takes them before temperature, "processed_logprobs"
+    # after it (and after top-k/top-p, which the actors leave off). Greedy requests (temperature 0)
+    # get the raw logits' log-probs either way, which the learner scores at temperature 1.
     return dict(model=model_path, dtype=model.dtype, enforce_eager=True, seed=seed, max_model_len=actor.max_seq_len,
-                kv_cache_memory_bytes=actor.kv_cache_mb * 1024 * 1024, disable_log_stats=True)
+                kv_cache_memory_bytes=actor.kv_cache_mb * 1024 * 1024, disable_log_stats=True,
+                logprobs_mode="processed_logprobs")
 
 
 class VLLMEngine:

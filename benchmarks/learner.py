@@ -1,6 +1,7 @@
-"""`omrl bench learner`: the learner's training step, `Trainer.train_step` (proximal forward
-without grad, forward, token log-probs and entropy, the off-policy loss, backward, grad clip,
-AdamW), against a plain torch loop on its own copy of the model (one forward, a masked
+"""`omrl bench learner`: the learner's training step, `Trainer.train_step` at its defaults
+(micro-batches of at most learner.max_tokens_per_microbatch tokens, log-probs and entropy
+of the generated tokens chunked over the vocabulary, the off-policy loss, backward, grad
+clip, AdamW; no proximal pass with one update per batch), against a plain torch loop on its own copy of the model (one forward, a masked
 advantage-weighted log-prob loss on the same generated tokens, backward, AdamW with the same
 lr; no proximal pass, no entropy, no clip), alternated over repetitions on the same batches.
 
@@ -20,7 +21,7 @@ back first with malloc_trim, gradients dropped); on CUDA `torch.cuda.max_memory_
 after `reset_peak_memory_stats`, over `memory_allocated` before. Its ratio is baseline /
 system, so above 1 the system uses less. The points also hold the median seconds of the
 Trainer's named sections (learner/time/proximal, forward, backward, optimizer): where its step
-goes. On CUDA, models run in bf16 and MFU = 6 * params * tokens/s / the device's peak dense
+goes. On CUDA, both compute under bf16 autocast with fp32 weights, and MFU = 6 * params * tokens/s / the device's peak dense
 bf16 FLOP/s (PEAK_FLOPS); the sections are then host time, the Trainer's timer does not
 synchronize. torch keeps its default intra-op threads (all cores; `omrl run`'s learner uses
 learner.threads, 1 by default)."""
@@ -91,25 +92,29 @@ def to_device(batch, device):
     return dataclasses.replace(batch, **moved)
 
 
+def plain_logprobs(model, batch):
+    """(N, T-1) log-prob of each next token from the full (N, T, V) logits: the plain way."""
+    import torch
+
+    logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits  # (N, T, V)
+    return torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, batch.tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+
+
 def with_behaviour(batch, model, rng: np.random.Generator):
     """The Batch with behaviour log-probs near the model's: its own log-prob of each generated
     token plus noise of std 0.05, as an actor a version or two behind would give."""
     import torch
 
-    from learner.algorithms import token_logprobs
-
     with torch.no_grad():
-        own = token_logprobs(model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits, batch.tokens)
-    noise = torch.from_numpy(rng.normal(0.0, 0.05, own.shape).astype(np.float32)).to(own.device)
+        own = torch.nn.functional.pad(plain_logprobs(model, batch), (1, 0)).cpu()
+    noise = torch.from_numpy(rng.normal(0.0, 0.05, own.shape).astype(np.float32))
     return dataclasses.replace(batch, behav_logprobs=(own + noise) * batch.generated_mask)  # (N, T)
 
 
-def baseline_step(model, optimizer, batch) -> None:
+def baseline_step(model, optimizer, batch, autocast) -> None:
     """One plain step: -mean over generated tokens of advantage * log-prob, backward, AdamW."""
-    import torch
-
-    logits = model(input_ids=batch.tokens, attention_mask=batch.attention_mask).logits  # (N, T, V)
-    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1).gather(-1, batch.tokens[:, 1:].unsqueeze(-1)).squeeze(-1)
+    with autocast():
+        logp = plain_logprobs(model, batch)
     mask = batch.loss_mask[:, 1:]  # (N, T-1)
     loss = -(logp * batch.advantages.unsqueeze(1) * mask).sum() / mask.sum().clamp(min=1.0)
     loss.backward()
@@ -184,22 +189,25 @@ def measure_model(label: str, model_dir, shape: Shape, device: str, repeats: int
     from learner.batch import collate
     from learner.trainer import Trainer
 
-    dev, dtype = torch.device(device), "bfloat16" if device == "cuda" else "float32"
-    cfg = LearnerConfig()
-    trainer = Trainer(load_causal_lm(str(model_dir), dtype).to(dev), cfg)
-    plain = load_causal_lm(str(model_dir), dtype).to(dev).train()
+    dev = torch.device(device)
+    # Both keep fp32 weights and AdamW state; on CUDA both compute under bf16 autocast.
+    cfg = LearnerConfig(device=device, precision="bf16" if device == "cuda" else "fp32")
+    trainer = Trainer(load_causal_lm(str(model_dir), "float32"), cfg)
+    plain = load_causal_lm(str(model_dir), "float32").to(dev).train()
     optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    autocast = lambda: torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")  # noqa: E731
     rng = np.random.default_rng(0)
     vocab = plain.config.vocab_size - 1  # every symbol but the end-of-text token
-    batches = [with_behaviour(to_device(collate(make_groups(rng, shape, vocab)), dev), trainer.model, rng)
-               for _ in range(shape.batches)]
+    # The Trainer takes batches on the CPU (it moves each micro-batch); the plain loop on the device.
+    batches = [with_behaviour(collate(make_groups(rng, shape, vocab)), plain, rng) for _ in range(shape.batches)]
+    on_device = [to_device(b, dev) for b in batches]
     tokens = sum(int(b.attention_mask.sum()) for b in batches)  # non-pad tokens per repetition
     meter = PeakCuda if device == "cuda" else PeakRss
     sync = torch.cuda.synchronize if device == "cuda" else lambda: None  # before every clock read
     memory: dict[str, list[float]] = {"system": [], "baseline": []}
     sections: dict[str, list[float]] = {name: [] for name in SECTIONS}
 
-    def repetition(kind: str, model, step) -> float:
+    def repetition(kind: str, model, batches, step) -> float:
         model.zero_grad(set_to_none=True)  # both start without gradients (both free them after each step)
         with meter() as peak:
             sync()
@@ -217,9 +225,10 @@ def measure_model(label: str, model_dir, shape: Shape, device: str, repeats: int
             sections[name].append(metrics.get(f"learner/time/{name}_s", 0.0))  # optimizer: absent on a skipped step
 
     trainer.train_step(batches[0])  # warm-up: allocator, AdamW state, kernels
-    baseline_step(plain, optimizer, batches[0])
-    runs = alternate({"system": lambda: repetition("system", trainer.model, system_step),
-                      "baseline": lambda: repetition("baseline", plain, lambda b: baseline_step(plain, optimizer, b))},
+    baseline_step(plain, optimizer, on_device[0], autocast)
+    runs = alternate({"system": lambda: repetition("system", trainer.model, batches, system_step),
+                      "baseline": lambda: repetition("baseline", plain, on_device,
+                                                     lambda b: baseline_step(plain, optimizer, b, autocast))},
                      repeats)
     return summarize(label, shape, batches, plain, runs, memory, sections, trainer.skipped_nonfinite, device)
 

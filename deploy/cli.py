@@ -44,6 +44,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-tasks", type=int, default=EnvConfig().num_tasks,
                    help="task indices 0..N-1, for envs whose spec does not say (default: env.num_tasks's default)")
     p.add_argument("--protocol", choices=("id", "env_idx"), help="AgentGym protocol family (env.protocol)")
+    p = sub.add_parser("export", help="write a run's trained policy to OUT with save_pretrained (transformers, vLLM)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (config.toml, checkpoints/)")
+    p.add_argument("out", metavar="OUT", help="a new (or empty) directory")
+    p.add_argument("--step", type=int, help="the checkpoint of this learner step (default: the newest)")
     p = sub.add_parser("init-model", help="build the tiny Qwen2 model and character tokenizer in DIR")
     p.add_argument("dir")
     p.add_argument("--hidden", type=int, default=128)
@@ -67,6 +71,12 @@ def main(argv: list[str] | None = None) -> None:
         from common.models import init_tiny_model
 
         print(init_tiny_model(args.dir, hidden=args.hidden, layers=args.layers))
+    elif args.command == "export":
+        from common.logs import setup_logging
+        from deploy.export import export
+
+        setup_logging("export", "INFO", sys.stderr)  # stdout is the output path
+        print(export(args.run_dir, args.out, args.step))
     elif args.command == "status":
         sys.exit(_status(args))
     elif args.command == "eval":

@@ -228,6 +228,14 @@ def prepare(cfg: Config) -> Config:
     return cfg
 
 
+def learner_launcher(ranks: int) -> list[str]:
+    """The learner as one process, or as `ranks` processes under torchrun on this machine
+    (`--standalone`: its own rendezvous on a free port; rank 0 leads, see learner/worker.py)."""
+    if ranks == 1:
+        return []
+    return ["torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", "--max-restarts=0", "-m"]
+
+
 def run(args: argparse.Namespace) -> int:
     extra = []
     if args.steps:
@@ -284,7 +292,8 @@ def run(args: argparse.Namespace) -> int:
             if not env.alive():
                 raise SystemExit(f"error: the env server {describe_exit(env.returncode)}:\n{env.tail()}")
             log.info("env server %r on %s", cfg.env.name, cfg.env.base_url)
-        learner = Process("learner", [*py, "learner", *cfg_args], logs / "learner.log", echo=True)
+        learner = Process("learner", [*py, *learner_launcher(cfg.learner.ranks), "learner", *cfg_args],
+                          logs / "learner.log", echo=True)
         processes.append(learner)
         processes += [Process(f"actor{i}", [*py, "actors", *cfg_args, "--index", str(i)], logs / f"actor{i}.log")
                       for i in range(cfg.actor.num_actors)]

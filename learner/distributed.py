@@ -74,16 +74,28 @@ class Single:
         else:
             state = get_state_dict(module, optimizer, options=opts)
         if self.device.type == "cpu":  # offloading copied nothing: copy, so that training can go on while it is written
-            state = torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+            copies: dict[tuple, torch.Tensor] = {}  # one copy per view: tied weights stay one tensor (saved once)
+
+            def copy(x):
+                if not isinstance(x, torch.Tensor):
+                    return x
+                view = (x.untyped_storage().data_ptr(), x.storage_offset(), x.shape, x.stride(), x.dtype)
+                return copies[view] if view in copies else copies.setdefault(view, x.clone())
+
+            state = torch.utils._pytree.tree_map(copy, state)
         return state
 
     def load_full_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
                         optim_state: dict) -> None:
         """The inverse of full_state, at this run's rank count (which may differ from the saver's)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
+        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
+                                                             set_optimizer_state_dict)
 
-        set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=optim_state,
-                       options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world > 1))
+        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world > 1)
+        # Two calls, not set_state_dict: given an empty model state (ranks > 0 receive theirs from
+        # rank 0), set_state_dict takes it for "optimizer only" there and the ranks fall out of step.
+        set_model_state_dict(module, model_state, options=opts)
+        set_optimizer_state_dict(module, optimizer, optim_state, options=opts)
 
     def close(self) -> None:
         pass

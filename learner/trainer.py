@@ -163,7 +163,7 @@ class Trainer:
         """The policy's weights on CPU as the Hugging Face checkpoint names them, on rank 0 (empty
         elsewhere; every rank must call it). A tied output layer is left out, as save_pretrained does."""
         state, _ = self.parallel.full_state(self.scorer)
-        tied = getattr(self.model.config, "tie_word_embeddings", False)
+        tied = self.model.config.tie_word_embeddings
         return {k[len(PREFIX):]: v for k, v in state.items() if not (tied and k == PREFIX + "lm_head.weight")}
 
     def weights_blob(self) -> bytes:

@@ -14,7 +14,7 @@ from common.config import load_config
 from common.models import load_causal_lm
 from envs.client import EnvClient
 from envs.server import EnvServer, serve
-from learner.algorithms import token_logprobs
+from learner.scoring import PolicyScorer
 from learner.trainer import Trainer
 
 pytestmark = pytest.mark.vllm
@@ -45,9 +45,12 @@ def engine(cfg, loop):
 
 
 def hf_logprobs(model, tokens):
+    """The learner's log-prob of every token given the ones before (position 0: 0)."""
     with torch.no_grad():
         ids = torch.tensor([tokens])
-        return token_logprobs(model(input_ids=ids).logits, ids)[0]
+        rows = torch.stack([torch.zeros(len(tokens) - 1, dtype=torch.long), torch.arange(1, len(tokens))], 1)
+        logp, _ = PolicyScorer(model)(ids, torch.ones_like(ids), rows, torch.ones(len(rows)))
+        return torch.nn.functional.pad(logp, (1, 0))
 
 
 def test_generation_logprobs_match_the_learner_model(engine, cfg, loop):

@@ -1,0 +1,76 @@
+"""Run by tests/integration/test_distributed.py, alone or under torchrun: train the learner's
+Trainer on fixed batches for steps [--first, --last], starting from a checkpoint or from the
+model, and write the full state after the last step as a checkpoint."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from common.config import LearnerConfig
+from common.messages import RolloutGroup, Sample
+from common.models import load_causal_lm
+from learner.batch import collate
+from learner.checkpoint import LearnerState, read_checkpoint, save_checkpoint
+from learner.distributed import setup
+from learner.trainer import Trainer
+
+LEARNER = dict(max_tokens_per_microbatch=96, lr=3e-3, ppo_epochs=2, minibatches=2, entropy_coef=0.01)
+
+
+def varied_group(rng: np.random.Generator, size: int = 4) -> RolloutGroup:
+    """Samples of 12 to 60 tokens (the generated part 4 to 30), so ranks and micro-batches get
+    unequal shares and some ranks idle through a pass."""
+    samples = []
+    for _ in range(size):
+        n_prompt, n_gen = int(rng.integers(8, 31)), int(rng.integers(4, 31))
+        reward = float(rng.random())
+        loss_mask = np.array([0] * n_prompt + [1] * n_gen, np.uint8)
+        samples.append(Sample(
+            tokens=rng.integers(0, 80, n_prompt + n_gen).astype(np.int32), loss_mask=loss_mask,
+            logprobs=np.where(loss_mask, rng.normal(-4.4, 0.3, n_prompt + n_gen), 0).astype(np.float32),
+            versions=np.array([-1] * n_prompt + [0] * n_gen, np.int32),
+            reward=reward, turn_rewards=np.array([reward], np.float32), num_turns=1,
+            finish_reason="done", task_id="0", env_name="synthetic"))
+    return RolloutGroup(task_id="0", env_name="synthetic", actor_id="test", sampling={"temperature": 0.8},
+                        samples=samples)
+
+
+def batches(steps: int, groups: int = 3):
+    rng = np.random.default_rng(7)
+    return [collate([varied_group(rng) for _ in range(groups)]) for _ in range(steps)]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--parallel", default="ddp")
+    p.add_argument("--first", type=int, default=1)
+    p.add_argument("--last", type=int, required=True)
+    p.add_argument("--resume", help="a checkpoint file to start from")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    args = p.parse_args()
+    cfg = LearnerConfig(parallel=args.parallel, device="cpu", **LEARNER)
+    parallel = setup(cfg.parallel, cfg.device)
+    torch.manual_seed(0)
+    trainer = Trainer(load_causal_lm(args.model, "float32"), cfg, parallel)
+    if args.resume:
+        _, model_state, optim_state = read_checkpoint(Path(args.resume)) if parallel.is_main else (None, {}, {})
+        trainer.load_state(model_state, optim_state)
+    all_batches = batches(args.last)
+    for step in range(args.first, args.last + 1):
+        metrics = trainer.train_step(all_batches[step - 1])
+        if parallel.is_main:
+            print(f"step {step} microbatches {metrics['learner/microbatches']:.0f} clipped "
+                  f"{metrics['learner/frac_clipped']:.3f} loss {metrics['learner/loss/policy']:.5f}", flush=True)
+    model_state, optim_state = trainer.full_state()
+    if parallel.is_main:
+        save_checkpoint(args.out, LearnerState(step=args.last, version=args.last), model_state, optim_state, keep=1)
+    parallel.close()
+
+
+if __name__ == "__main__":
+    main()

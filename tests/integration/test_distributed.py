@@ -1,0 +1,66 @@
+"""2-rank DDP and FSDP2 on gloo, launched by torchrun as `omrl run` launches the learner, end
+with the same parameters as 1 rank on the same batches, and every checkpoint resumes on
+another rank count and kind.
+
+Batches have samples of 12-60 tokens, 96-token micro-batches, 2 PPO epochs x 2 minibatches:
+ranks get unequal token shares and idle passes. Tolerance: AdamW at lr 3e-3 moves each
+parameter by up to 3e-3 per update (12 updates here); ranks sum gradients in another order,
+so parameters may differ by float rounding carried through Adam's normalisation. We allow
+1e-4, a thirtieth of one update, and check that training moved them by far more.
+"""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deploy.supervisor import learner_launcher
+from learner.checkpoint import latest_checkpoint, read_checkpoint
+
+REPO = Path(__file__).resolve().parents[2]
+TOLERANCE = 1e-4
+
+
+def steps(model: str, out: Path, last: int, ranks: int = 1, parallel: str = "ddp", first: int = 1,
+          resume: Path | None = None) -> dict[str, torch.Tensor]:
+    cmd = [sys.executable, "-m", *learner_launcher(ranks), "tests.integration.distributed_steps", "--model", model,
+           "--parallel", parallel, "--first", str(first), "--last", str(last), "--out", str(out)]
+    cmd += ["--resume", str(resume)] if resume else []
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert f"step {last} " in done.stdout
+    return read_checkpoint(latest_checkpoint(out))[1]
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert sorted(a) == sorted(b)
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+@pytest.mark.slow
+def test_ddp_and_fsdp2_match_one_rank_and_resume_across_rank_counts(tiny_model, tmp_path):
+    from common.models import load_causal_lm
+
+    initial = {"lm." + k: v for k, v in load_causal_lm(tiny_model).state_dict().items()}
+    one_2 = steps(tiny_model, tmp_path / "one-2", last=2)
+    one_4 = steps(tiny_model, tmp_path / "one-4", first=3, last=4, resume=latest_checkpoint(tmp_path / "one-2"))
+    assert max_diff(initial, one_4) > 100 * TOLERANCE  # training moved the weights: the comparisons can fail
+
+    ddp_2 = steps(tiny_model, tmp_path / "ddp-2", last=2, ranks=2)
+    assert max_diff(one_2, ddp_2) < TOLERANCE
+    fsdp_2 = steps(tiny_model, tmp_path / "fsdp-2", last=2, ranks=2, parallel="fsdp2")
+    assert max_diff(one_2, fsdp_2) < TOLERANCE
+
+    # Resume: 1 -> 2 ranks (FSDP2 shards a single process's state), 2 -> 2 (DDP), 2 (FSDP2) -> 1.
+    resumed = {
+        "fsdp2 from 1 rank": steps(tiny_model, tmp_path / "a", first=3, last=4, ranks=2, parallel="fsdp2",
+                                   resume=latest_checkpoint(tmp_path / "one-2")),
+        "ddp from ddp": steps(tiny_model, tmp_path / "b", first=3, last=4, ranks=2,
+                              resume=latest_checkpoint(tmp_path / "ddp-2")),
+        "1 rank from fsdp2": steps(tiny_model, tmp_path / "c", first=3, last=4,
+                                   resume=latest_checkpoint(tmp_path / "fsdp-2")),
+    }
+    for name, state in resumed.items():
+        assert max_diff(one_4, state) < TOLERANCE, name
