@@ -55,6 +55,7 @@ class Shape:
     groups: int  # rollout groups of G samples per batch
     max_len: int  # longest sample; lengths are uniform in [max_len / 2, max_len]
     batches: int  # distinct batches, each one step of every repetition
+    min_len: int | None = None  # shortest sample (default max_len / 2)
 
 
 SHAPES = {"cpu": {"tiny": Shape(8, 256, 2), "100M": Shape(1, 192, 2)},
@@ -73,7 +74,7 @@ def make_groups(rng: np.random.Generator, shape: Shape, vocab: int) -> list:
         rewards[:2] = (1.0, 0.0)
         samples = []
         for reward in rewards:
-            n = int(rng.integers(shape.max_len // 2, shape.max_len + 1))
+            n = int(rng.integers(shape.min_len or shape.max_len // 2, shape.max_len + 1))
             mask = (np.arange(n) >= n // 2).astype(np.uint8)
             samples.append(Sample(tokens=rng.integers(0, vocab, n).astype(np.int32), loss_mask=mask,
                                   logprobs=np.zeros(n, np.float32), versions=np.where(mask, 0, -1).astype(np.int32),
@@ -106,7 +107,7 @@ def with_behaviour(batch, model, rng: np.random.Generator):
     import torch
 
     with torch.no_grad():
-        own = torch.nn.functional.pad(plain_logprobs(model, batch), (1, 0)).cpu()
+        own = torch.nn.functional.pad(plain_logprobs(model, to_device(batch, model.device)), (1, 0)).cpu()
     noise = torch.from_numpy(rng.normal(0.0, 0.05, own.shape).astype(np.float32))
     return dataclasses.replace(batch, behav_logprobs=(own + noise) * batch.generated_mask)  # (N, T)
 

@@ -18,7 +18,8 @@ import time
 from pathlib import Path
 
 BENCHMARKS = {"broker": "benchmarks.broker", "pipeline": "benchmarks.pipeline", "weights": "benchmarks.weights",
-              "engine": "benchmarks.engine", "learner": "benchmarks.learner", "env": "benchmarks.env"}
+              "engine": "benchmarks.engine", "learner": "benchmarks.learner", "memory": "benchmarks.memory",
+              "env": "benchmarks.env"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

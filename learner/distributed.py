@@ -74,15 +74,11 @@ class Single:
         else:
             state = get_state_dict(module, optimizer, options=opts)
         if self.device.type == "cpu":  # offloading copied nothing: copy, so that training can go on while it is written
-            copies: dict[tuple, torch.Tensor] = {}  # one copy per view: tied weights stay one tensor (saved once)
-
-            def copy(x):
-                if not isinstance(x, torch.Tensor):
-                    return x
-                view = (x.untyped_storage().data_ptr(), x.storage_offset(), x.shape, x.stride(), x.dtype)
-                return copies[view] if view in copies else copies.setdefault(view, x.clone())
-
-            state = torch.utils._pytree.tree_map(copy, state)
+            state = torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+        model_state = state[0]
+        for alias, name in tied_names(module).items():  # tied weights stay one tensor: saved and sent once
+            if alias in model_state and name in model_state:
+                model_state[alias] = model_state[name]
         return state
 
     def load_full_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
@@ -159,6 +155,20 @@ class FSDP2(_Distributed):
             yield
         finally:
             module.set_requires_gradient_sync(True)
+
+
+def tied_names(module: torch.nn.Module) -> dict[str, str]:
+    """{alias: first name} of parameters that appear under two names (a tied output layer), in
+    state-dict names (no DDP `module.` prefix)."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in module.named_parameters(remove_duplicate=False):
+        name = name.removeprefix("module.")
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
 
 
 def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:

@@ -32,7 +32,7 @@ import torch
 from broker.admission import floor_accepted
 from broker.weights import WeightStore, WeightsTooLarge
 from common.config import Config
-from common.messages import RolloutGroup, decode_group
+from common.messages import decode_group
 from common.metrics import JsonlSink
 from common.models import load_causal_lm
 from learner.batch import collate

@@ -18,7 +18,7 @@ from broker.weights import WeightStore
 from common.config import RedisConfig
 from common.messages import decode_group, encode_group
 from learner.bridge import BrokerBridge
-from tests.integration.test_learner_faults import synthetic_group
+from tests.groups import synthetic_group
 from tests.servers import has_tls, local_cluster, redis_binaries, tls_acl_server
 
 pytestmark = pytest.mark.redis

@@ -18,7 +18,7 @@ from learner.batch import collate
 from learner.checkpoint import LearnerState, read_checkpoint, save_checkpoint
 from learner.scoring import plain_logprobs
 from learner.trainer import PREFIX, Trainer
-from tests.integration.test_learner_faults import synthetic_group
+from tests.groups import synthetic_group
 
 TEXT = "Say a\nthe quick brown fox, 42 times: Jumps!"
 TRANSFORMERS_ATOL = 1e-5

@@ -4,7 +4,6 @@ garbage in the stream."""
 
 import asyncio
 import json
-import os
 import random
 import signal
 import subprocess
@@ -22,28 +21,14 @@ from broker.connection import connect
 from broker.embedded import EmbeddedRedis, free_port
 from broker.keys import Keys
 from broker.streams import RolloutConsumer
-from common.messages import RolloutGroup, Sample, decode_group, encode_group
+from common.messages import decode_group, encode_group
 from common.metrics import read_jsonl
+from tests.groups import synthetic_group
 from tests.servers import redis_binaries
 
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 STEPS, B = 12, 4
-
-
-def synthetic_group(rng: np.random.Generator) -> RolloutGroup:
-    samples = []
-    for _ in range(4):
-        n_prompt, n_gen = 6, 4
-        reward = float(rng.random())
-        samples.append(Sample(
-            tokens=rng.integers(0, 80, n_prompt + n_gen).astype(np.int32),
-            loss_mask=np.array([0] * n_prompt + [1] * n_gen, np.uint8),
-            logprobs=np.array([0.0] * n_prompt + [-4.4] * n_gen, np.float32),
-            versions=np.array([-1] * n_prompt + [0] * n_gen, np.int32),
-            reward=reward, turn_rewards=np.array([reward], np.float32), num_turns=1,
-            finish_reason="done", task_id="0", env_name="synthetic"))
-    return RolloutGroup(task_id="0", env_name="synthetic", actor_id="test", sampling={}, samples=samples)
 
 
 def garbage_payloads() -> dict[str, bytes]:

@@ -22,7 +22,7 @@ from broker.weights import WeightStore
 from common.config import RedisConfig
 from common.messages import encode_group
 from learner.bridge import BrokerBridge
-from tests.integration.test_learner_faults import synthetic_group
+from tests.groups import synthetic_group
 
 pytestmark = pytest.mark.redis
 

@@ -8,7 +8,7 @@ import torch
 from common.config import LearnerConfig
 from common.models import load_causal_lm
 from learner.batch import collate
-from tests.integration.test_learner_faults import synthetic_group
+from tests.groups import synthetic_group
 
 
 def weights(model) -> dict[str, torch.Tensor]:
@@ -39,3 +39,72 @@ def test_non_finite_loss_skips_the_step(tiny_model, poison):
     after = weights(trainer.model)
     assert all(torch.equal(moved[k], after[k]) for k in moved)
     assert all(p.grad is None for p in trainer.model.parameters())  # nothing carried into the next step
+
+
+def first_step(model_dir: str, groups, **learner) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
+    """The gradients the first optimizer step applies (read by a spy on AdamW.step) and the metrics."""
+    from learner.trainer import Trainer
+
+    torch.manual_seed(0)
+    trainer = Trainer(load_causal_lm(model_dir), LearnerConfig(**learner))
+    grads: dict[str, torch.Tensor] = {}
+    step = trainer.optimizer.step
+
+    def spy(*args, **kwargs):
+        if not grads:
+            grads.update({n: p.grad.detach().float().cpu().clone() for n, p in trainer.model.named_parameters()})
+        return step(*args, **kwargs)
+
+    trainer.optimizer.step = spy
+    return grads, trainer.train_step(collate(groups))
+
+
+def varied_groups(n: int = 3):
+    from tests.groups import varied_group
+
+    rng = np.random.default_rng(11)
+    return [varied_group(rng) for _ in range(n)]
+
+
+def test_micro_batches_give_the_gradients_of_one_batch(tiny_model):
+    groups = varied_groups()
+    whole, whole_metrics = first_step(tiny_model, groups, max_tokens_per_microbatch=100_000)
+    assert whole_metrics["learner/microbatches"] == 1 and whole_metrics["learner/padding_frac"] > 0.2
+    for budget in (60, 200):  # one sample per micro-batch; a few per micro-batch
+        split, metrics = first_step(tiny_model, groups, max_tokens_per_microbatch=budget)
+        assert metrics["learner/microbatches"] > 2
+        assert metrics["learner/padding_frac"] < whole_metrics["learner/padding_frac"]  # sorted by length
+        assert metrics["learner/loss/policy"] == pytest.approx(whole_metrics["learner/loss/policy"], rel=1e-5, abs=1e-7)
+        assert metrics["learner/entropy"] == pytest.approx(whole_metrics["learner/entropy"], rel=1e-5)
+        for name, g in whole.items():
+            torch.testing.assert_close(split[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    assert max(float(g.abs().max()) for g in whole.values()) > 1e-3  # there was a gradient to compare
+
+
+def test_one_update_skips_the_proximal_pass_and_several_updates_clip(tiny_model):
+    groups = varied_groups()
+    _, one = first_step(tiny_model, groups)
+    assert "learner/time/proximal_s" not in one and one["learner/updates"] == 1
+    assert one["learner/frac_clipped"] == 0 and one["learner/ratio_mean"] == pytest.approx(1.0)
+    _, several = first_step(tiny_model, groups, ppo_epochs=2, minibatches=2, lr=3e-3)
+    assert several["learner/time/proximal_s"] > 0 and several["learner/updates"] == 4
+    assert several["learner/frac_clipped"] > 0.05  # the later updates move the ratio out of [0.8, 1.2]
+    assert several["learner/ratio_mean"] != pytest.approx(1.0)
+
+
+def test_tied_output_layer_is_published_once(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from safetensors.torch import load as load_safetensors
+
+    from learner.trainer import Trainer
+
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+    trainer = Trainer(model, LearnerConfig())
+    weights = load_safetensors(trainer.weights_blob())
+    assert "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights
+    trainer.train_step(collate(varied_groups(1)))
+    assert trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight  # still tied after a step
+    model_state, _ = trainer.full_state()
+    tied = model_state["lm.lm_head.weight"], model_state["lm.model.embed_tokens.weight"]
+    assert tied[0].untyped_storage().data_ptr() == tied[1].untyped_storage().data_ptr()  # saved once

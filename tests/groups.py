@@ -1,0 +1,38 @@
+"""Rollout groups for tests, built in memory (pure: no Redis, no model)."""
+
+import numpy as np
+
+from common.messages import RolloutGroup, Sample
+
+
+def synthetic_group(rng: np.random.Generator) -> RolloutGroup:
+    samples = []
+    for _ in range(4):
+        n_prompt, n_gen = 6, 4
+        reward = float(rng.random())
+        samples.append(Sample(
+            tokens=rng.integers(0, 80, n_prompt + n_gen).astype(np.int32),
+            loss_mask=np.array([0] * n_prompt + [1] * n_gen, np.uint8),
+            logprobs=np.array([0.0] * n_prompt + [-4.4] * n_gen, np.float32),
+            versions=np.array([-1] * n_prompt + [0] * n_gen, np.int32),
+            reward=reward, turn_rewards=np.array([reward], np.float32), num_turns=1,
+            finish_reason="done", task_id="0", env_name="synthetic"))
+    return RolloutGroup(task_id="0", env_name="synthetic", actor_id="test", sampling={}, samples=samples)
+
+
+def varied_group(rng: np.random.Generator, size: int = 4) -> RolloutGroup:
+    """Samples of 12 to 60 tokens (the generated part 4 to 30), so ranks and micro-batches get
+    unequal shares and some ranks idle through a pass."""
+    samples = []
+    for _ in range(size):
+        n_prompt, n_gen = int(rng.integers(8, 31)), int(rng.integers(4, 31))
+        reward = float(rng.random())
+        loss_mask = np.array([0] * n_prompt + [1] * n_gen, np.uint8)
+        samples.append(Sample(
+            tokens=rng.integers(0, 80, n_prompt + n_gen).astype(np.int32), loss_mask=loss_mask,
+            logprobs=np.where(loss_mask, rng.normal(-4.4, 0.3, n_prompt + n_gen), 0).astype(np.float32),
+            versions=np.array([-1] * n_prompt + [0] * n_gen, np.int32),
+            reward=reward, turn_rewards=np.array([reward], np.float32), num_turns=1,
+            finish_reason="done", task_id="0", env_name="synthetic"))
+    return RolloutGroup(task_id="0", env_name="synthetic", actor_id="test", sampling={"temperature": 0.8},
+                        samples=samples)

@@ -1,0 +1,67 @@
+"""The learner's CUDA path: device placement, bf16 autocast over fp32 master weights,
+micro-batches, gradient checkpointing and the chunked output layer on a GPU. Skipped where
+torch sees no GPU (CI's machine); run on a GPU machine with `pytest -m gpu`."""
+
+import pytest
+import torch
+
+from common.config import LearnerConfig
+from common.models import init_tiny_model, load_causal_lm
+from learner.batch import collate
+from learner.scoring import PolicyScorer, plain_logprobs
+from tests.unit.test_trainer import first_step, varied_groups
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+@pytest.fixture(scope="module")
+def wide_model(tmp_path_factory) -> str:
+    """4 layers, hidden 256: enough that bf16 rounding shows, small enough to build in a second."""
+    return str(init_tiny_model(tmp_path_factory.mktemp("wide"), hidden=256, layers=4, heads=4))
+
+
+def test_auto_device_is_the_gpu_with_fp32_master_weights(wide_model):
+    from learner.trainer import Trainer
+
+    trainer = Trainer(load_causal_lm(wide_model), LearnerConfig(precision="bf16"))
+    assert trainer.device.type == "cuda"
+    assert all(p.is_cuda and p.dtype == torch.float32 for p in trainer.model.parameters())
+    metrics = trainer.train_step(collate(varied_groups()))
+    assert metrics["learner/skipped_nonfinite"] == 0 and metrics["learner/grad_norm"] > 0
+    state = next(iter(trainer.optimizer.state.values()))
+    assert state["exp_avg"].dtype == torch.float32  # AdamW state in fp32 too
+
+
+@pytest.mark.parametrize("precision, rtol, atol", [("fp32", 1e-4, 1e-6), ("bf16", 5e-2, 5e-4)])
+def test_micro_batches_give_the_gradients_of_one_batch_on_cuda(wide_model, precision, rtol, atol):
+    groups = varied_groups()
+    whole, _ = first_step(wide_model, groups, precision=precision, max_tokens_per_microbatch=100_000)
+    split, metrics = first_step(wide_model, groups, precision=precision, max_tokens_per_microbatch=100)
+    assert metrics["learner/microbatches"] > 2
+    # Gradient norms per tensor: bf16 rounds every matmul, so compare each tensor as a whole.
+    for name, g in whole.items():
+        assert float((split[name] - g).norm()) <= rtol * float(g.norm()) + atol, name
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(wide_model):
+    groups = varied_groups()
+    plain, _ = first_step(wide_model, groups)
+    recomputed, _ = first_step(wide_model, groups, gradient_checkpointing=True)
+    for name, g in plain.items():
+        torch.testing.assert_close(recomputed[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_chunked_output_layer_matches_full_logits_on_cuda(wide_model):
+    lm = load_causal_lm(wide_model).cuda()
+    tokens = torch.randint(0, lm.config.vocab_size, (4, 64), device="cuda")
+    rows = torch.stack(torch.meshgrid(torch.arange(4), torch.arange(1, 64), indexing="ij"), -1).reshape(-1, 2).cuda()
+    temperature = torch.full((len(rows),), 0.7, device="cuda")
+    with torch.no_grad():
+        ref_logp, ref_entropy = plain_logprobs(lm, tokens, rows, temperature)
+        logp, entropy = PolicyScorer(lm, vocab_chunk=16)(tokens, torch.ones_like(tokens), rows, temperature)
+        torch.testing.assert_close(logp, ref_logp, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(entropy, ref_entropy, rtol=1e-4, atol=1e-4)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logp16, _ = PolicyScorer(lm, vocab_chunk=16)(tokens, torch.ones_like(tokens), rows, temperature)
+    assert logp16.dtype == torch.float32
+    assert float((logp16 - ref_logp).abs().mean()) < 2e-2  # bf16 matmuls, fp32 softmax
