@@ -65,7 +65,7 @@ class ModelConfig(Section):
     path: str | None = None
     """Hugging Face causal LM (a local path or a hub id); unset means build the tiny model in RUN_DIR/model."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights dtype for vLLM and the learner."""
+    """Weights dtype for vLLM and of the weights the learner publishes (it trains on fp32 copies)."""
 
 
 class EnvConfig(Section):

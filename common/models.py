@@ -25,7 +25,8 @@ def build_char_tokenizer():
     return Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token=TINY_EOS, pad_token=TINY_EOS)
 
 
-def init_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, heads: int = 2, seed: int = 0) -> Path:
+def init_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, heads: int = 2, seed: int = 0,
+                    tie_embeddings: bool = False) -> Path:
     """Build a small Qwen2-architecture causal LM with random weights and a character
     tokenizer, and save both to `out_dir` with `save_pretrained`."""
     import torch
@@ -36,7 +37,7 @@ def init_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, hea
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        max_position_embeddings=4096, tie_word_embeddings=False, rope_theta=10000.0,
+        max_position_embeddings=4096, tie_word_embeddings=tie_embeddings, rope_theta=10000.0,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
         torch_dtype="float32",
     )

@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("dir")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--tie-embeddings", action="store_true", help="one matrix for the input embedding and output layer")
     # The role commands hand their arguments to the role's own parser.
     for name, help_text in (("env-server", "serve a built-in env over HTTP (AgentGym 'id' protocol)"),
                             ("actor", "run one rollout actor"), ("learner", "run the learner")):
@@ -70,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.command == "init-model":
         from common.models import init_tiny_model
 
-        print(init_tiny_model(args.dir, hidden=args.hidden, layers=args.layers))
+        print(init_tiny_model(args.dir, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                              tie_embeddings=args.tie_embeddings))
     elif args.command == "export":
         from common.logs import setup_logging
         from deploy.export import export

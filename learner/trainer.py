@@ -166,10 +166,10 @@ class Trainer:
         tied = self.model.config.tie_word_embeddings
         return {k[len(PREFIX):]: v for k, v in state.items() if not (tied and k == PREFIX + "lm_head.weight")}
 
-    def weights_blob(self) -> bytes:
-        """The weights as safetensors bytes (rank 0; every rank must call it)."""
+    def weights_blob(self, dtype: torch.dtype = torch.float32) -> bytes:
+        """The weights as safetensors bytes in the actors' `dtype` (rank 0; every rank must call it)."""
         state = self.hf_state()
-        return save_safetensors({k: v.contiguous() for k, v in state.items()}) if self.parallel.is_main else b""
+        return save_safetensors({k: v.to(dtype).contiguous() for k, v in state.items()}) if self.parallel.is_main else b""
 
 
 def learn(trainer: Trainer, batches: Iterable[Batch]) -> Iterator[dict[str, float]]:

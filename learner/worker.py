@@ -19,6 +19,7 @@ from __future__ import annotations
 import copy
 import logging
 import os
+import resource
 import signal
 import time
 from collections import deque
@@ -95,7 +96,8 @@ class Learner:
         return self.trainer.train_step(collate(groups, scale_by_std=self.cfg.learner.algorithm == "grpo"))
 
     def _op_weights(self, _=None) -> bytes:
-        return self.trainer.weights_blob()
+        # In the actors' inference dtype: vLLM would cast fp32 on load anyway, and bf16 halves the bytes.
+        return self.trainer.weights_blob(getattr(torch, self.cfg.model.dtype))
 
     def _op_checkpoint(self, _=None) -> tuple[dict, dict]:
         return self.trainer.full_state()
@@ -244,7 +246,7 @@ class Learner:
                 dt = step_times[1] - step_times[0]
                 record.update(self._evals(bridge))
                 record.update({"time": time.time(), "perf/step_s": dt, "perf/wait_s": waited,
-                               "perf/checkpoint_s": self.checkpoint_s,
+                               "perf/checkpoint_s": self.checkpoint_s, **self._memory(),
                                "perf/groups_per_s": len(batch) / dt,
                                "perf/tokens_per_s": record["batch/generated_tokens"] / dt,
                                "batch/group_ids": [d.group.group_id for d in batch]})
@@ -275,6 +277,13 @@ class Learner:
         if self.parallel.world > 1:
             self.parallel.broadcast_bytes(msgpack.packb({"op": "stop", "payload": code}))
         return code
+
+    def _memory(self) -> dict[str, float]:
+        """Rank 0's peak memory so far: resident (ru_maxrss, KiB on Linux) and, on a GPU, allocated."""
+        peak = {"perf/peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2 ** 20}
+        if self.parallel.device.type == "cuda":
+            peak["perf/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
+        return peak
 
     @staticmethod
     def _evals(bridge: BrokerBridge) -> dict:

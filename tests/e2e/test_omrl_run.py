@@ -83,10 +83,13 @@ def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
     assert result["episodes"] == 64 and result["reward"] > evals[0]["eval/reward"] + 0.2, result
 
 
-@pytest.mark.timeout(300)
-def test_ctrl_c_stops_every_process(tmp_path):
+@pytest.mark.timeout(480)
+def test_ctrl_c_stops_every_process_and_two_ranks_resume_on_one(tmp_path):
+    """The learner runs as 2 FSDP2 ranks under torchrun; Ctrl-C stops every process (the
+    ranks included) after a commit; the run then resumes from that checkpoint on 1 rank."""
     run_dir = tmp_path / "run"
-    proc = omrl("run", "--run-dir", str(run_dir), "--steps", "1000")
+    proc = omrl("run", "--run-dir", str(run_dir), "--steps", "1000", "--set", "learner.ranks=2",
+                "--set", 'learner.parallel="fsdp2"')
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -94,7 +97,20 @@ def test_ctrl_c_stops_every_process(tmp_path):
             break
     assert any("step 2 " in line for line in lines), "".join(lines[-30:])
     assert len(processes_mentioning(str(run_dir))) >= 4  # env server, learner, two actors
+    assert len(processes_mentioning(str(run_dir))) >= 6  # env server, torchrun and its 2 ranks, two actors
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-3000:]
+    assert processes_mentioning(str(run_dir)) == []
+    learner_log = (run_dir / "logs" / "learner.log").read_text()
+    assert "rank 1 of 2 on cpu (gloo)" in learner_log and "(fsdp2)" in learner_log
+    stopped_at = max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl"))
+
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir),
+                           "--steps", str(stopped_at + 2)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stdout[-3000:]
+    # The stop committed its last step; one rank read the checkpoint that two ranks wrote.
+    assert f"step-{stopped_at:08d}.pt: step {stopped_at}," in (run_dir / "logs" / "learner.log").read_text()
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps[-2:] == [stopped_at + 1, stopped_at + 2], steps  # went on from the 2-rank checkpoint
     assert processes_mentioning(str(run_dir)) == []
