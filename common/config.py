@@ -200,7 +200,7 @@ class LearnerConfig(Section):
     """Recompute each decoder layer's activations in backward: less memory, about a third more compute."""
     max_tokens_per_microbatch: int = Field(16384, ge=1)
     """Padded tokens in one forward; gradients are accumulated over micro-batches, so memory follows
-    this, not the batch. Must hold the longest sequence (actor.max_seq_len)."""
+    this, not the batch. A longer sequence goes alone in its micro-batch."""
     vocab_chunk: int = Field(8192, ge=1)
     """Columns of the output layer computed at once for log-probs and entropy."""
     ppo_epochs: int = Field(1, ge=1)
@@ -275,9 +275,6 @@ class Config(Section):
             raise ValueError(
                 f"redis.max_stream_len x redis.shards must hold the {pending} groups that can wait for a checkpoint "
                 f"({formula}): raise redis.max_stream_len or lower learner.checkpoint_every")
-        if lcfg.max_tokens_per_microbatch < self.actor.max_seq_len:
-            raise ValueError(f"learner.max_tokens_per_microbatch ({lcfg.max_tokens_per_microbatch}) must hold one whole "
-                             f"sequence (actor.max_seq_len = {self.actor.max_seq_len}): raise it or lower max_seq_len")
         if self.learner.dedup_window < pending + self.redis.max_stream_len * self.redis.shards:
             raise ValueError(
                 f"learner.dedup_window must cover the groups that can be pending or waiting in the streams "
