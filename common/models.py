@@ -55,5 +55,15 @@ def load_causal_lm(path_or_id: str, dtype: str = "float32"):
     return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=getattr(torch, dtype))
 
 
+def save_policy(model, tokenizer_from: str, out: str | Path, state_dict: dict | None = None) -> Path:
+    """`model` (with `state_dict`'s weights when given) and the tokenizer of `tokenizer_from`,
+    written with save_pretrained: what transformers and vLLM load."""
+    from transformers import AutoTokenizer
+
+    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
+    AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out)
+    return Path(out)
+
+
 def is_model_dir(path: str | Path) -> bool:
     return (Path(path) / "config.json").is_file()

@@ -17,6 +17,7 @@ import shutil
 from pathlib import Path
 
 from common.config import ConfigError, load_config
+from common.models import save_policy
 
 log = logging.getLogger("omrl.export")
 
@@ -38,7 +39,7 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Pat
     target = out.absolute()
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
-        _save(model, base, tmp)
+        save_policy(model, base, tmp)
         (tmp / MANIFEST).write_text(json.dumps({
             "run_dir": str(run_dir.resolve()), "checkpoint": checkpoint.name, "step": state.step,
             "weight_version": state.version, "groups_trained": state.groups_trained, "base_model": base,
@@ -132,9 +133,3 @@ def _weight_name(model, layer) -> str:
     """The state-dict name of `layer`'s weight inside `model`."""
     return next(f"{name}.weight" for name, module in model.named_modules() if module is layer)
 
-
-def _save(model, base: str, out: Path) -> None:
-    from transformers import AutoTokenizer
-
-    model.save_pretrained(out, safe_serialization=True)
-    AutoTokenizer.from_pretrained(base).save_pretrained(out)

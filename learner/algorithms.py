@@ -37,10 +37,6 @@ class LossConfig:
     """Dr.GRPO: normalise by a constant token count instead of the mask sum."""
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
-
-
 def policy_loss(cur_logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
                 advantages: torch.Tensor, loss_mask: torch.Tensor, cfg: LossConfig,
                 norm_tokens: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:

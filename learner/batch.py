@@ -44,7 +44,7 @@ class Batch:
         at = (sel[rows[:, 0]], rows[:, 1])
         prox = self.prox_logprobs[at] if self.prox_logprobs is not None else None
         to = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
-        return MicroBatch(idx=idx, tokens=to(self.tokens[sel, :T]), attention_mask=to(self.attention_mask[sel, :T]),
+        return MicroBatch(tokens=to(self.tokens[sel, :T]), attention_mask=to(self.attention_mask[sel, :T]),
                           rows=to(rows), temperature=to(self.temperature[at[0]]), loss_mask=to(self.loss_mask[at]),
                           behav_logprobs=to(self.behav_logprobs[at]), advantages=to(self.advantages[at[0]]),
                           prox_logprobs=to(prox), cpu_rows=at)
@@ -54,7 +54,6 @@ class Batch:
 class MicroBatch:
     """One forward's worth: padded (n, t) inputs and, per scored row, (M,) vectors."""
 
-    idx: list[int]
     tokens: torch.Tensor  # (n, t)
     attention_mask: torch.Tensor  # (n, t)
     rows: torch.Tensor  # (M, 2) (sample, position) of each generated token

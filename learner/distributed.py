@@ -58,10 +58,6 @@ class Single:
     def all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
         return t
 
-    def broadcast_bytes(self, data: bytes | None) -> bytes:
-        assert data is not None
-        return data
-
     def full_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
                    ) -> tuple[dict, dict]:
         """Unsharded copies of the model (and optimizer) state on CPU on rank 0, named by parameter

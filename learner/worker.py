@@ -35,8 +35,8 @@ from broker.weights import WeightStore, WeightsTooLarge
 from common.config import Config
 from common.messages import decode_group
 from common.metrics import JsonlSink
-from common.models import load_causal_lm
-from learner.batch import collate
+from common.models import load_causal_lm, save_policy
+from learner.batch import Batch, collate
 from learner.bridge import BrokerBridge, Delivery
 from learner.checkpoint import LearnerState, RecentIds, latest_checkpoint, read_checkpoint, save_checkpoint
 from learner.distributed import Single, setup
@@ -91,9 +91,9 @@ class Learner:
         self.trainer.load_state(model_state, optim_state)
         return state
 
-    def _op_train(self, datas: list[bytes]) -> dict:
-        groups = [decode_group(d) for d in datas]
-        return self.trainer.train_step(collate(groups, scale_by_std=self.cfg.learner.algorithm == "grpo"))
+    def _op_train(self, datas: list[bytes]) -> tuple[dict, Batch]:
+        batch = collate([decode_group(d) for d in datas], scale_by_std=self.cfg.learner.algorithm == "grpo")
+        return self.trainer.train_step(batch), batch
 
     def _op_weights(self, _=None) -> bytes:
         # In the actors' inference dtype: vLLM would cast fp32 on load anyway, and bf16 halves the bytes.
@@ -107,10 +107,7 @@ class Learner:
         state = self.trainer.hf_state()
         final = Path(self.cfg.run.run_dir) / "final"
         if self.parallel.is_main:
-            from transformers import AutoTokenizer
-
-            self.trainer.model.save_pretrained(final, state_dict=state, safe_serialization=True)
-            AutoTokenizer.from_pretrained(self.cfg.model.path).save_pretrained(final)
+            save_policy(self.trainer.model, self.cfg.model.path, final, state_dict=state)
         return final
 
     def _on_signal(self, signum, frame) -> None:
@@ -297,7 +294,7 @@ class Learner:
         lcfg = self.cfg.learner
         groups = [d.group for d in deliveries]
         staleness = np.array([self.state.version - g.oldest_version() for g in groups])
-        metrics = self._all("train", [d.data for d in deliveries])
+        metrics, batch = self._all("train", [d.data for d in deliveries])
         self.state.step += 1
         if self.state.step % lcfg.publish_every == 0:
             self.state.version += 1
@@ -306,19 +303,18 @@ class Learner:
             metrics["learner/time/publish_s"] = time.perf_counter() - t0
         generated = np.concatenate([s.versions[s.loss_mask.astype(bool)] for g in groups for s in g.samples])
         samples = [s for g in groups for s in g.samples]
-        rewards = np.array([s.reward for s in samples], np.float32)
         turns = sum(s.num_turns for s in samples)
         return {
             "step": self.state.step,
             "weight_version": self.state.version,
-            "reward/mean": float(np.mean(rewards)),
-            "reward/std": float(np.std(rewards)),
+            "reward/mean": float(batch.rewards.mean()),
+            "reward/std": float(batch.rewards.std()),
             "reward/env": float(np.mean([s.turn_rewards.sum() for s in samples])),
             "reward/success": float(np.mean([s.success for s in samples])),
             "actor/invalid_action_frac": sum(s.invalid_actions for s in samples) / max(1, turns),
             "batch/turns_mean": turns / len(samples),
             "batch/groups": len(groups),
-            "batch/zero_signal_frac": float(np.mean([np.ptp(g.rewards) == 0 for g in groups])),
+            "batch/zero_signal_frac": float((~batch.group_signal).mean()),
             "batch/generated_tokens": int(generated.size),
             "batch/version_min": int(generated.min()) if generated.size else -1,
             "batch/version_max": int(generated.max()) if generated.size else -1,
