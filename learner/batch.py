@@ -134,6 +134,8 @@ def plan(batch: Batch, minibatches: int, ranks: int, max_tokens: int) -> Plan:
     padded = real = 0
     out = []
     for mb in split_by_tokens(list(range(len(lengths))), lengths, minibatches):
+        if not mb:  # more minibatches than samples: no optimizer step on nothing (AdamW's momentum would move)
+            continue
         per_rank = [microbatches(share, lengths, max_tokens) for share in split_by_tokens(mb, lengths, ranks)]
         passes = max(1, max(len(m) for m in per_rank))  # every rank runs as many forwards as the busiest
         out.append([m + [[]] * (passes - len(m)) for m in per_rank])

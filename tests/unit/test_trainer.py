@@ -92,6 +92,12 @@ def test_one_update_skips_the_proximal_pass_and_several_updates_clip(tiny_model)
     assert several["learner/ratio_mean"] != pytest.approx(1.0)
 
 
+def test_more_minibatches_than_samples_step_only_on_samples(tiny_model):
+    groups = varied_groups(1)  # 4 samples
+    _, metrics = first_step(tiny_model, groups, minibatches=10, ppo_epochs=2)
+    assert metrics["learner/updates"] == 2 * 4  # one sample per minibatch; the 6 empty ones are not steps
+
+
 def test_tied_output_layer_is_published_once(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from safetensors.torch import load as load_safetensors
