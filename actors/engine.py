@@ -1,5 +1,7 @@
 """Inference engines behind one small interface: `generate` one continuation of a token
-list with per-token log-probs, and `load_weights` from a safetensors file in place."""
+list with per-token log-probs; `load_weights` from a safetensors file in place, or
+`join_weights` / `receive_weights` over the broadcast transport; `pause` (running requests
+return what they have, finish reason "abort") and `resume` around an in-flight update."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import dataclasses
 import itertools
 import logging
 import os
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from common.config import ActorConfig, ModelConfig
 
@@ -18,14 +20,18 @@ log = logging.getLogger(__name__)
 class Generation:
     token_ids: list[int]
     logprobs: list[float]
-    finish_reason: str  # "stop" or "length"
+    finish_reason: str  # "stop", "length", or "abort" (an update interrupted it: continue it)
 
 
 class Engine(Protocol):
     tokenizer: Any
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None) -> Generation:
-        """One continuation; `temperature` overrides actor.temperature (0: greedy)."""
+    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None,
+                       turn_start: int | None = None, sent: Callable[[], None] | None = None) -> Generation:
+        """One continuation; `temperature` overrides actor.temperature (0: greedy). Tokens of
+        `prompt_ids` from `turn_start` on were generated earlier in this turn (a continuation
+        after an update): a stop sequence may begin among them. `sent` is called once the
+        request is in the engine (the weight gate's `sent`)."""
 
     async def load_weights(self, path: str) -> None: ...
 
@@ -41,16 +47,52 @@ def share_cpus() -> None:
         os.environ.setdefault(var, value)
 
 
+def on_cpu() -> bool:
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
+
+
 def engine_args(model: ModelConfig, actor: ActorConfig, model_path: str, seed: int) -> dict[str, Any]:
     """vLLM's engine arguments for an actor, the weight-reload extension apart (what the
     engine benchmark's offline baseline starts `vllm.LLM` with, too)."""
+    cpu = on_cpu()
+    kv_mb = actor.kv_cache_mb if actor.kv_cache_mb is not None else 64 if cpu else None
     # Behaviour log-probs must be those of the distribution sampled from, as the learner scores
     # tokens: vLLM's default ("raw_logprobs") takes them before temperature, "processed_logprobs"
     # after it (and after top-k/top-p, which the actors leave off). Greedy requests (temperature 0)
     # get the raw logits' log-probs either way, which the learner scores at temperature 1.
-    return dict(model=model_path, dtype=model.dtype, enforce_eager=True, seed=seed, max_model_len=actor.max_seq_len,
-                kv_cache_memory_bytes=actor.kv_cache_mb * 1024 * 1024, disable_log_stats=True,
+    args = dict(model=model_path, dtype=model.dtype, seed=seed,
+                enforce_eager=cpu if actor.enforce_eager is None else actor.enforce_eager,
+                max_model_len=actor.max_model_len or actor.max_seq_len,
+                tensor_parallel_size=actor.tensor_parallel_size, enable_prefix_caching=actor.enable_prefix_caching,
+                gpu_memory_utilization=actor.gpu_memory_utilization, disable_log_stats=True,
                 logprobs_mode="processed_logprobs")
+    if kv_mb is not None:
+        args["kv_cache_memory_bytes"] = kv_mb * 1024 * 1024
+    return args
+
+
+def stop_sequences(tokenizer, stop: list[str]) -> tuple[list[int], list[list[int]]]:
+    """actor.stop as token ids: single tokens (vLLM stops on them itself) and longer sequences
+    (matched on the generated tokens as they stream). Either way the tokens stay as sampled."""
+    single, longer = [], []
+    for text in stop:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if not ids:
+            raise ValueError(f"actor.stop entry {text!r} is no tokens for this tokenizer: remove it")
+        (single.append(ids[0]) if len(ids) == 1 else longer.append(ids))
+    return single, longer
+
+
+def find_stop(tokens: list[int], sequences: list[list[int]], start: int, new_from: int) -> int | None:
+    """The end of the first stop sequence in `tokens` that lies within tokens[start:] and ends at
+    or after `new_from` (the first token not checked before), or None."""
+    for end in range(max(new_from, start) + 1, len(tokens) + 1):
+        for seq in sequences:
+            if end - len(seq) >= start and tokens[end - len(seq):end] == seq:
+                return end
+    return None
 
 
 class VLLMEngine:
@@ -67,34 +109,74 @@ class VLLMEngine:
                                worker_extension_cls="actors.vllm_ext.WeightReloadExtension")
         self.llm = AsyncLLM.from_engine_args(args)
         self.tokenizer = self.llm.tokenizer
-        stop_ids = [self.tokenizer.convert_tokens_to_ids(t) for t in self._stop_tokens(actor.stop)]
-        self.params = dict(temperature=actor.temperature, logprobs=0, stop_token_ids=stop_ids,
-                           output_kind=RequestOutputKind.FINAL_ONLY, detokenize=False)
-        self._SamplingParams = SamplingParams
+        self.workers = actor.tensor_parallel_size
+        self._SamplingParams, self._kinds = SamplingParams, RequestOutputKind
         self._ids = itertools.count()
+        self.params = dict(temperature=actor.temperature, logprobs=0, detokenize=False)
+        self.set_stop(actor.stop)
 
-    def _stop_tokens(self, stop: list[str]) -> list[str]:
-        """Stop strings must be single tokens, so the stop token stays in the buffer as sampled."""
-        tokens = []
-        for text in stop:
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-            if len(ids) != 1:
-                raise ValueError(f"actor.stop entry {text!r} is {len(ids)} tokens for this tokenizer; use single-token stops")
-            tokens.append(self.tokenizer.convert_ids_to_tokens(ids[0]))
-        return tokens
+    def set_stop(self, stop: list[str]) -> None:
+        """Stop strings; longer than one token, they are matched here as tokens stream in (DELTA
+        outputs), otherwise vLLM stops on them and sends one final output."""
+        single, self.stop_seqs = stop_sequences(self.tokenizer, stop)
+        kind = self._kinds.DELTA if self.stop_seqs else self._kinds.FINAL_ONLY
+        self.params.update(stop_token_ids=single, output_kind=kind)
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None) -> Generation:
+    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None,
+                       turn_start: int | None = None, sent: Callable[[], None] | None = None) -> Generation:
         params = self._SamplingParams(max_tokens=max_tokens,
                                       **{**self.params, **({} if temperature is None else {"temperature": temperature})})
-        final = None
-        async for out in self.llm.generate({"prompt_token_ids": prompt_ids}, params, request_id=f"r{next(self._ids)}"):
-            final = out
-        completion = final.outputs[0]
-        logprobs = [step[tok].logprob for step, tok in zip(completion.logprobs, completion.token_ids)]
-        return Generation(list(completion.token_ids), logprobs, completion.finish_reason or "length")
+        turn = list(prompt_ids[len(prompt_ids) if turn_start is None else turn_start:])  # this turn's tokens
+        first = len(turn)  # where this request's tokens begin in it
+        logprobs: list[float] = []
+        finish, finished = None, False
+        request_id = f"r{next(self._ids)}"
+        # add_request returns once the request is sent; the engine takes requests and a pause in order.
+        outputs = await self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+        if sent is not None:
+            sent()
+        try:
+            while not finished:
+                out = outputs.get_nowait() or await outputs.get()
+                finished = out.finished
+                if not out.outputs:  # vLLM's end-of-stream sentinel
+                    continue
+                completion = out.outputs[0]
+                new = list(completion.token_ids)  # DELTA: the new tokens; FINAL_ONLY: all, once
+                checked = len(turn)
+                turn += new
+                logprobs += [step[tok].logprob for step, tok in zip(completion.logprobs, new)]
+                finish = completion.finish_reason
+                if self.stop_seqs:
+                    end = find_stop(turn, self.stop_seqs, 0, checked)
+                    if end is not None:
+                        del turn[end:], logprobs[end - first:]
+                        finish = "stop"
+                        break
+        finally:
+            if not finished:  # left early (a stop sequence, or cancelled): end it in the engine
+                await self.llm.abort(request_id)
+        return Generation(turn[first:], logprobs, finish or "length")
 
     async def load_weights(self, path: str) -> None:
         await self.llm.collective_rpc("omrl_reload_weights", args=(path,))
+
+    async def join_weights(self, host: str, port: int, link: str, backend: str, timeout_s: float) -> None:
+        """Every worker joins the learner's group `link` (rank 1 + its tensor-parallel rank)."""
+        await self.llm.collective_rpc("omrl_join", args=(host, port, link, 1 + self.workers, backend, timeout_s))
+
+    async def receive_weights(self) -> int:
+        """Receive the version the learner sends over the joined group; its number."""
+        versions = await self.llm.collective_rpc("omrl_receive")
+        return int(versions[0])
+
+    async def pause(self) -> None:
+        """Running requests end now with what they have (finish reason "abort"); new ones wait."""
+        await self.llm.pause_generation(mode="abort", clear_cache=True)
+
+    async def resume(self) -> None:
+        await self.llm.reset_prefix_cache()  # nothing computed on the old weights is reused
+        await self.llm.resume_generation()
 
     def shutdown(self) -> None:
         self.llm.shutdown()

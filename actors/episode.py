@@ -2,7 +2,10 @@
 
 One growing token buffer per episode: the prompt, then every generated token exactly as
 the engine sampled it (mask 1, its behaviour log-prob and weight version), then every
-observation's tokens (mask 0). Nothing generated is ever re-tokenised.
+observation's tokens (mask 0). Nothing generated is ever re-tokenised. The setup's format
+(actors/chat.py) says which context tokens surround the turns: the model's chat template
+(its end-of-turn tokens the model did not sample, a user turn, the generation prompt), or
+plain text.
 
 Each turn the action template reads the action out of the generated text; one that does
 not parse is answered as AgentGym's clients answer it (no server call, "Invalid Action."
@@ -19,6 +22,7 @@ from typing import Protocol
 
 import numpy as np
 
+from actors.chat import TurnFormat, make_format
 from actors.engine import Engine, Generation
 from actors.templates import INVALID_ACTION, ActionTemplate
 from actors.weights import WeightGate
@@ -41,11 +45,12 @@ class TokenBuffer:
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
 
-    def add_generated(self, ids: list[int], logprobs: list[float], version: int) -> None:
+    def add_generated(self, ids: list[int], logprobs: list[float], version: int | list[int]) -> None:
+        """`version`: the weight version of every token, or of each (a turn an update interrupted)."""
         self.tokens += ids
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
-        self.versions += [version] * len(ids)
+        self.versions += version if isinstance(version, list) else [version] * len(ids)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -57,7 +62,8 @@ class Turn:
     the action when the policy chose it directly (None: the template reads it from the text)."""
 
     generation: Generation
-    version: int
+    version: int | list[int]
+    """The weight version of its tokens, or a version per token (an update came mid-turn)."""
     action: str | None = None
 
 
@@ -66,14 +72,27 @@ class Policy(Protocol):
 
 
 class ModelPolicy:
-    """The engine samples; the weight gate makes every call run on one weight version."""
+    """The engine samples; the weight gate makes every engine call run on one weight version.
+    A call an update interrupts (finish reason "abort") is continued on the new weights from
+    the tokens it has: each token keeps the version that sampled it."""
 
     def __init__(self, engine: Engine, gate: WeightGate):
         self.engine, self.gate = engine, gate
 
     async def act(self, tokens: list[int], budget: int, env_id: int) -> Turn:
-        async with self.gate.generating() as version:
-            return Turn(await self.engine.generate(tokens, budget), version)
+        ids: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        while True:
+            async with self.gate.generating() as version:
+                gen = await self.engine.generate(tokens + ids, budget - len(ids),
+                                                 turn_start=len(tokens) if ids else None, sent=self.gate.sent)
+            ids += gen.token_ids
+            logprobs += gen.logprobs
+            versions += [version] * len(gen.token_ids)
+            if gen.finish_reason != "abort" or len(ids) >= budget:
+                finish = "length" if gen.finish_reason == "abort" else gen.finish_reason
+                return Turn(Generation(ids, logprobs, finish), versions)
 
 
 @dataclasses.dataclass
@@ -85,16 +104,21 @@ class EpisodeSetup:
     cfg: ActorConfig
     template: ActionTemplate
     env_name: str
+    format: TurnFormat = dataclasses.field(init=False)
+    """How turns become context tokens: chosen once from actor.chat_template and the tokenizer."""
+
+    def __post_init__(self) -> None:
+        self.format = make_format(self.tokenizer, self.cfg.chat_template)
 
     @property
-    def prompt(self) -> str:
+    def system(self) -> str:
+        """actor.system_prompt, then the action template's instructions and a line break."""
         instructions = self.template.instructions
         return self.cfg.system_prompt + (instructions + "\n" if instructions else "")
 
 
 async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int) -> Sample:
     cfg, env, spec = setup.cfg, setup.env, setup.env.spec
-    encode = lambda text: setup.tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
     started = time.monotonic()
     gen_s = env_s = 0.0
     buf = TokenBuffer()
@@ -105,7 +129,7 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int) -> Sam
     try:
         first = await env.reset(env_id, task_idx)
         observation, total = first.observation, first.reward
-        buf.add_context(encode(setup.prompt + observation))
+        buf.add_context(setup.format.first_prompt(setup.system, observation))
         for _turn in range(cfg.max_turns):
             budget = min(cfg.max_tokens, cfg.max_seq_len - len(buf))
             if budget <= 0:
@@ -132,11 +156,11 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int) -> Sam
             if done:
                 finish = "done"
                 break
-            obs_ids = encode(next_text)
-            if len(buf) + len(obs_ids) >= cfg.max_seq_len:
+            context_ids = setup.format.next_turn(turn.generation.token_ids, next_text)
+            if len(buf) + len(context_ids) >= cfg.max_seq_len:
                 finish = "context"
                 break
-            buf.add_context(obs_ids)
+            buf.add_context(context_ids)
     finally:
         await env.close_quietly(env_id)
     episode = Episode(turn_rewards=turn_rewards, valid_actions=valid, success=spec.succeeded(done, total, info),

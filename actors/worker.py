@@ -40,7 +40,7 @@ from actors.engine import Engine, VLLMEngine
 from actors.episode import EpisodeSetup, ModelPolicy, run_episode
 from actors.evaluate import PinnedModelPolicy, evaluate
 from actors.templates import make_template
-from actors.weights import WeightGate, apply_newest, receive_weights
+from actors.weights import BroadcastLink, WeightGate, apply_newest, receive_weights
 from broker.admission import Admission
 from broker.connection import connect
 from broker.evals import publish_eval
@@ -50,6 +50,7 @@ from broker.retry import REDIS_TRANSIENT, RetryPolicy
 from broker.streams import RolloutProducer
 from broker.weights import WeightStore
 from common.config import Config
+from common.logs import first_line
 from common.messages import CodecError, RolloutGroup, encode_group
 from common.metrics import JsonlSink
 from envs.client import EnvClient, EnvError
@@ -124,10 +125,16 @@ class Actor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, self.stop.set)
         self.store = WeightStore(client, keys)
-        self.gate = WeightGate(version=0)
+        interrupt = cfg.actor.update_mode == "interrupt" and hasattr(self.engine, "pause")
+        self.gate = (WeightGate(0, pause=self.engine.pause, resume=self.engine.resume) if interrupt
+                     else WeightGate(0))
+        # The transport is the learner's choice, read from each version's record.
+        self.link = (BroadcastLink(self.engine, f"{self.name}|{self.incarnation}", cfg.weights.timeout_s)
+                     if hasattr(self.engine, "join_weights") else None)
         self.weights_dir = tempfile.mkdtemp(prefix="omrl-weights-")
         try:
-            await self._load_newest_weights()  # start on the current version
+            with contextlib.suppress(GroupFailed):  # the receiver (or the next group) tries again
+                await self._load_newest_weights()  # start on the current version
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
                 self.env = EnvClient(cfg.env.base_url, session, cfg.env.timeout_s, self.spec)
                 self.setup = EpisodeSetup(self.env, self.tokenizer, cfg.actor, self.template, cfg.env.name)
@@ -136,7 +143,7 @@ class Actor:
                 async with asyncio.TaskGroup() as tg:
                     if cfg.learner.mode == "async":
                         tg.create_task(receive_weights(self.store, self.gate, self.engine.load_weights,
-                                                       cfg.actor.weight_poll_s, self.stop, self.retry))
+                                                       cfg.actor.weight_poll_s, self.stop, self.retry, self.link))
                     tg.create_task(self._progress())
                     tg.create_task(self._write_metrics())
                     tg.create_task(self._heartbeat())
@@ -182,7 +189,13 @@ class Actor:
         """Apply the newest published version if the engine runs an older one (one load at a
         time: concurrent callers find it applied)."""
         async with self._weights_lock:
-            await apply_newest(self.store, self.gate, self.engine.load_weights, self.weights_dir, self.retry)
+            try:
+                await apply_newest(self.store, self.gate, self.engine.load_weights, self.weights_dir, self.retry,
+                                   self.link)
+            except Exception as exc:  # noqa: BLE001 - a failed update costs the group, never the actor
+                log.error("weight update failed: %s: %s", type(exc).__name__, first_line(exc))
+                if self.gate.broken:
+                    raise GroupFailed("weights", f"the weights could not be loaded: {first_line(exc)}") from None
 
     async def _run_group(self, task_idx: int) -> RolloutGroup:
         """G episodes of one task; the first env failure cancels the others and fails the group."""
@@ -215,7 +228,7 @@ class Actor:
         last = -1
         while not self.stop.is_set():
             if self.gate.version // every > last and self.env_up.is_set():
-                async with self.gate.generating() as version:
+                async with self.gate.generating(pinned=True) as version:
                     policy = PinnedModelPolicy(self.engine, version, temperature=0.0)
                     try:
                         result = await evaluate(self.setup, policy, tasks, "model")
@@ -307,6 +320,8 @@ class Actor:
         try:
             while not self.stop.is_set():
                 sink.write({"time": time.time(), "actor/generating_s": self.gate.generating_s,
+                            "actor/updates": self.gate.applied, "actor/update_s": self.gate.update_s,
+                            "actor/update_blocked_s": self.gate.blocked_s,
                             "actor/groups": self.groups, "actor/gen_tokens": self.tokens,
                             "actor/groups_failed": sum(self.failed.values()),
                             "actor/weight_version": self.gate.version, "actor/in_flight_episodes": self.in_flight,

@@ -83,9 +83,10 @@ class RecordingEngine:
         self.requests: list[list[tuple[list[int], int]]] = [[] for _ in range(loops)]
         self.generated = 0
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None):
+    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None,
+                       turn_start: int | None = None, sent=None):
         self.requests[_loop_index.get()].append((list(prompt_ids), max_tokens))  # the buffer grows later
-        generation = await self.engine.generate(prompt_ids, max_tokens, temperature)
+        generation = await self.engine.generate(prompt_ids, max_tokens, temperature, turn_start, sent)
         self.generated += len(generation.token_ids)
         return generation
 

@@ -1,67 +1,119 @@
 """`omrl bench weights`: a weight version from the learner's model to every actor's vLLM
-engine, per transport, against the raw transport moving the same bytes.
+engine, by each transport, against the raw transport of Redis moving the same bytes; and
+what an update costs generation, interrupting running requests against draining them.
 
-System, per repetition: the learner's serialisation (`Trainer.weights_blob()`, safetensors
-bytes of the state dict), `WeightStore.publish` (SET of the blob + the version record, one
-transaction), then each actor's receiver as the actor runs it (`receive_weights` from
-actors/weights.py: woken by the version's announcement, or at the latest by its poll every
-actor.weight_poll_s, it fetches and verifies the blob, writes it to a file and has the
-engine reload it in place through `VLLMEngine.load_weights`). Latency: from the start of
-serialisation to the moment the last actor's engine has the weights, split along that
-actor's path into serialise, publish, wake-up (publish done -> its fetch starts),
-fetch+verify (GET + sha256), write file and engine reload (`collective_rpc` ->
-`reload_weights`). Each model's actors apply
-one version untimed first (an engine's first reload costs more, once a process).
+Transports (the learner's choice, `weights.*`; an actor follows each version's record):
+`blob` (safetensors bytes in Redis chunks of weights.chunk_mb), `dir` (one safetensors file
+in a directory every process sees: here a temporary directory on the machine's disk) and
+`broadcast` (tensors packed into buckets of weights.bucket_mb, sent over a gloo group from
+the learner's side to each actor's vLLM worker, straight into the model).
 
-Baseline: the same bytes, already serialised, SET by the learner's side and then GET by
-each actor process on its own connection (the readers are the actor processes themselves,
-told by a list push, so the baseline crosses the same process boundaries and runs on the
-same cores as the system; only what the project adds differs). Both figures are MB/s =
-blob bytes / latency; the ratio system / baseline is below 1 by what serialisation, the checksum, waking up, the file and the engine's reload
-cost over moving the bytes (1.0: the project adds nothing to Redis).
+System, per repetition and transport: the learner's side as learner/worker.py runs it
+(blob, dir: `Trainer.weights_blob()` then `WeightStore.publish`; broadcast:
+`Trainer.hf_state()` packed by `common.weight_sync.pack`, handed to a `BroadcastSender`,
+then `WeightStore.announce`), then each actor's receiver as actors/worker.py builds it
+(`receive_weights` with a `BroadcastLink` and the `WeightGate` of actor.update_mode, around a
+real `VLLMEngine`; woken by the announcement, or at the latest by its poll every
+actor.weight_poll_s). Latency: from the start of serialisation to the moment the last
+actor's gate opens on the new version, split along that actor's path into serialise,
+publish, wake-up (publish done -> the actor reads the record and starts its fetch, or its
+join for broadcast), fetch (blob: GET of the chunks, file write and sha256; dir: sha256 of
+the shared file; broadcast: joining the learner's group, nothing once joined), gate (the
+update closing the gate: with actor.update_mode "interrupt", the default, pausing the
+engine), load (blob, dir: the engine's reload from the
+file; broadcast: asking for the version and receiving it into the model) and resume. The
+clocks are one machine's, but wake-up can read a millisecond or two below 0: the actor may
+hear the announcement before the learner's PUBLISH call has returned. Each model's actors
+apply one version by each transport untimed first (an engine's first reload and the
+broadcast's join cost more, once a process); --quick skips that, so its first figures
+include them.
+
+Baseline, the same for every transport so their ratios compare: the safetensors bytes,
+already serialised, SET by the learner's side and then GET by each actor process on its own
+connection (the readers are the actor processes themselves, told by a list push, so the
+baseline crosses the same process boundaries and runs on the same cores as the system).
+Figures: MB/s = the blob's bytes / latency for every transport (the broadcast's buckets
+hold the same tensors, within alignment), higher is better; and the latency in seconds,
+lower is better. The MB/s ratio system / baseline is below 1 by what serialisation,
+checksums, waking up, files and the engine's reload cost over moving the bytes once through
+Redis, above 1 where a transport beats that (the seconds' ratio is its inverse).
+The transports alternate with the baseline (blob, dir, broadcast, baseline, blob, ...) on
+one set of actors per model, each version newer than the last.
 
 Models: Qwen2 with the 128-symbol character tokenizer (`init_tiny_model`), float32, from the
-tiny default up to about 126M parameters (a 504 MB blob). That is the largest the blob
-transport carries with Redis as the project starts it: Redis refuses a bulk value over
-`proto-max-bulk-len` (512 MiB by default, not raised by broker/embedded.py), so
-`WeightStore.publish` refuses a larger blob (`WeightsTooLarge`; chunked blobs are issue
-10's). The full run checks this against the server it starts and reports it under
-"blob_limit". 2 actors (1 with --quick),
-each a receiver process (`python -m benchmarks.weights --receiver ...`) holding a
-VLLMEngine; they report each applied version with an RPUSH that the driver BLPOPs.
+tiny default to about 147M parameters (a 590 MB blob, over Redis's default 512 MiB value
+limit). The benchmark's Redis takes values up to 2 GB (proto-max-bulk-len), so that the
+baseline can SET the largest blob as one value; the blob transport writes chunks of
+weights.chunk_mb (64 MB) whatever the limit, so it runs as on `omrl run`'s server (Redis's
+default limit). 2 actors (1 with --quick), each a receiver process
+(`python -m benchmarks.weights --receiver ...`) holding a VLLMEngine; they report each
+applied version with an RPUSH that the driver BLPOPs.
 
-Transports: `blob` (Redis) today. The torch.distributed broadcast (issue 10) is to come:
-one more entry in TRANSPORTS, with its raw baseline a broadcast of the same tensors.
+Update modes, in one process on the tiny model (`python -m benchmarks.weights --update-modes`):
+one VLLMEngine with `concurrency` ModelPolicy.act loops of `tokens`-token turns (no stop
+strings, end-of-sequence ignored: every turn runs its length), and `updates` updates of the
+model's own file through `WeightGate.apply` -> `VLLMEngine.load_weights`, `spacing_s` of
+generation apart; interrupt (the gate pauses the engine: running requests come back and
+continue on the new weights) and drain (the baseline: new calls wait while running ones
+finish) alternate, on fresh gates. Per update: the gate's update_s (from the update's start
+until generation may go on: for drain that includes waiting for the running turns, which
+still generate meanwhile, fewer and fewer) and blocked_s (seconds generate calls waited at
+the gate, summed over calls: what the turns lost); and tokens/s over the whole run, from
+the first turn to the end of the last (each loop finishes its turn after the last update).
+Ratio interrupt / drain, repetition by repetition: below 1 when interrupting holds
+generation back less (lower is better for the seconds; for tokens/s higher is better).
+
 `device="cuda"` is minimal: the learner's copy of the model moves to the GPU (so
 serialisation includes the copy off it) and vLLM picks the GPU itself; one actor per GPU
-(CUDA_VISIBLE_DEVICES), since two engines on one GPU each reserve most of its memory."""
+(CUDA_VISIBLE_DEVICES), since two engines on one GPU each reserve most of its memory. The
+broadcast stays on gloo (the learner would pick NCCL, which needs it and each actor on
+different GPUs; this benchmark does not arrange that)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import dataclasses
+import json
 import os
+import shutil
 import signal
 import sys
 import tempfile
 import time
 import uuid
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 from benchmarks.common import alternate, pyplot, ratios, row, spread
 
 # (hidden, layers, heads): head size 64 throughout, intermediate 2 x hidden (init_tiny_model).
-MODELS = ((128, 2, 2), (512, 8, 8), (1024, 12, 16))
+MODELS = ((128, 2, 2), (512, 8, 8), (1024, 14, 16))
 QUICK_MODELS = ((128, 2, 2),)
 ACTORS, QUICK_ACTORS = 2, 1
 REPEATS, QUICK_REPEATS = 3, 1
 START_TIMEOUT_S = 600.0  # for the actors' engines to come up
 STEP_TIMEOUT_S = 300.0  # for one version to reach every actor
 # The time split of one system repetition, on the critical path (the last actor to apply).
-SPLIT = ("serialise", "publish", "wake-up", "fetch+verify", "write file", "engine reload")
+SPLIT = ("serialise", "publish", "wake-up", "fetch", "gate", "load", "resume")
 BASELINE_SPLIT = ("SET", "notify", "GET")
+REDIS_ARGS = ["--proto-max-bulk-len", "2gb"]  # the baseline's one value of the largest blob
+UPDATE_MODES = ("interrupt", "drain")  # the system, then its baseline
+PROMPT = "U: Say e"
+
+
+@dataclasses.dataclass(frozen=True)
+class Updates:
+    """The update-mode comparison's workload."""
+
+    concurrency: int  # turns generating at once
+    tokens: int  # tokens a turn
+    updates: int  # updates per run
+    spacing_s: float  # seconds of generation before each update (and after the last)
+
+
+UPDATES, QUICK_UPDATES = Updates(16, 200, 5, 1.0), Updates(4, 32, 2, 0.3)
+UPDATES_TIMEOUT_S = 1800.0  # for the whole update-mode process, engine start included
 
 
 def _keys(run: str):
@@ -88,92 +140,127 @@ def _unpack(data: bytes) -> Any:
     return msgpack.unpackb(data)
 
 
-# ---- transports ------------------------------------------------------------------------
+# ---- transports: the learner's side --------------------------------------------------------
 
 
 class BlobTransport:
-    """Safetensors bytes in Redis (broker/weights.py, actors/weights.py); its raw baseline
-    is a SET of the same bytes, then a GET by each actor."""
+    """Safetensors bytes in Redis chunks (WeightStore.publish, as learner/bridge.py builds it)."""
 
-    def __init__(self, client, run: str):
+    def __init__(self, client, run: str, tmp: str, directory: str | None = None):
         from broker.weights import WeightStore
-        from common.config import LearnerConfig
+        from common.config import LearnerConfig, WeightsConfig
 
-        self.client, self.run = client, run
-        self.store = WeightStore(client, _keys(run), keep=LearnerConfig().keep_versions)  # as learner/bridge.py
+        self.store = WeightStore(client, _keys(run), keep=LearnerConfig().keep_versions,
+                                 chunk_bytes=WeightsConfig().chunk_mb << 20, directory=directory)
+
+    def serialise(self, trainer, version: int) -> bytes:
+        return trainer.weights_blob()
 
     async def publish(self, version: int, blob: bytes) -> None:
-        """System, learner's side."""
         await self.store.publish(version, version, blob)
 
-    async def raw_send(self, key: str, blob: bytes) -> None:
-        """Baseline, learner's side: the bytes where the readers can take them."""
-        await self.client.set(key, blob)
+    def close(self) -> None:
+        pass
 
-    async def raw_done(self, key: str) -> None:
-        await self.client.delete(key)
 
-    @staticmethod
-    async def receive(url: str, run: str, engine, report: Callable[[dict], Awaitable[None]],
-                      stop: asyncio.Event) -> None:
-        """System, actor's side: the actor's receiver, timed around its calls."""
-        from actors.weights import WeightGate, receive_weights
-        from broker.connection import connect
+class DirTransport(BlobTransport):
+    """The same bytes as one file in a directory every process sees (weights.dir), one per run."""
+
+    def __init__(self, client, run: str, tmp: str):
+        self.directory = str(Path(tmp) / f"weights-dir-{run}")
+        super().__init__(client, run, tmp, self.directory)
+
+    def close(self) -> None:
+        shutil.rmtree(self.directory, ignore_errors=True)  # the next model needs the page cache more
+
+
+class BroadcastTransport:
+    """Packed tensors over gloo from a BroadcastSender; only the record goes to Redis."""
+
+    def __init__(self, client, run: str, tmp: str):
         from broker.weights import WeightStore
-        from common.config import ActorConfig
+        from common.config import LearnerConfig, WeightsConfig
+        from learner.broadcast import BroadcastSender
 
-        class TimedStore(WeightStore):
-            last: tuple[int, float, float] = (0, 0.0, 0.0)  # version, fetch start, fetch end
+        cfg = WeightsConfig()
+        self.store = WeightStore(client, _keys(run), keep=LearnerConfig().keep_versions)
+        self.bucket_bytes = cfg.bucket_mb << 20
+        self.sender = BroadcastSender("127.0.0.1", 0, "gloo", cfg.timeout_s)
 
-            async def fetch(self, record):
-                started = time.time()
-                blob = await super().fetch(record)
-                self.last = (record["version"], started, time.time())
-                return blob
+    def serialise(self, trainer, version: int):
+        import torch
 
-        client = connect(url)  # as actors/worker.py
-        store = TimedStore(client, _keys(run))
+        return trainer.weights_packed(version, torch.float32, self.bucket_bytes, "cpu")  # as learner/worker.py
 
-        async def load(path: str) -> None:
-            version, fetch_start, fetch_end = store.last  # apply_newest loads what it fetched last
-            load_start = time.time()
-            await engine.load_weights(path)
-            applied = time.time()
-            await report({"kind": "applied", "version": version, "fetch_start": fetch_start, "fetch_end": fetch_end,
-                          "load_start": load_start, "applied": applied})
+    async def publish(self, version: int, packed) -> None:
+        await self.store.announce(self.sender.publish(packed, step=version))
 
-        try:
-            await receive_weights(store, WeightGate(version=0), load, ActorConfig().weight_poll_s, stop)
-        finally:
-            await client.aclose()
-
-    @staticmethod
-    async def raw_receive(client, key: str) -> int:
-        """Baseline, actor's side: the bytes; their size."""
-        blob = await client.get(key)
-        return len(blob)
+    def close(self) -> None:
+        self.sender.close()
 
 
-TRANSPORTS = {"blob": BlobTransport}
+TRANSPORTS = {"blob": BlobTransport, "dir": DirTransport, "broadcast": BroadcastTransport}
 
 
 # ---- the actor's side: one receiver process ----------------------------------------------
 
 
 async def _receiver(args: argparse.Namespace) -> None:
+    """The actor's receiver (actors/worker.py's store, gate and link), timed around its calls;
+    and the baseline's reader."""
     from actors.engine import VLLMEngine
+    from actors.weights import BroadcastLink, WeightGate, receive_weights
     from broker.connection import connect
-    from common.config import ActorConfig, ModelConfig
+    from broker.weights import WeightStore
+    from common.config import ActorConfig, ModelConfig, WeightsConfig
 
-    transport = TRANSPORTS[args.transport]
     lists = _bench_keys(args.run)
     started = time.time()
-    engine = VLLMEngine(ModelConfig(path=args.model, dtype="float32"), ActorConfig(), args.model, seed=args.index)
-    control, reports, raw = connect(args.url, blocking=True), connect(args.url), connect(args.url)  # BLPOP, RPUSH, GET
+    actor = ActorConfig()
+    engine = VLLMEngine(ModelConfig(path=args.model, dtype="float32"), actor, args.model, seed=args.index)
+    # BLPOP, RPUSH, the baseline's GET, the receiver's own (as actors/worker.py)
+    control, reports, raw, weights = connect(args.url, blocking=True), connect(args.url), connect(args.url), \
+        connect(args.url)
     stop = asyncio.Event()
+    spans: dict[str, tuple[float, float]] = {}  # of the update under way: fetch (or join), load
 
     async def report(record: dict) -> None:
         await reports.rpush(lists["reports"], _pack({"actor": args.index, **record}))
+
+    class TimedStore(WeightStore):
+        async def fetch_to(self, record, directory):
+            start = time.time()
+            path = await super().fetch_to(record, directory)
+            spans["fetch"] = (start, time.time())
+            return path
+
+    class TimedLink(BroadcastLink):
+        async def join(self, record):
+            start = time.time()
+            await super().join(record)
+            spans["fetch"] = (start, time.time())
+
+    class TimedGate(WeightGate):
+        async def apply(self, version, load):
+            async def timed_load():
+                start = time.time()
+                loaded = await load()
+                spans["load"] = (start, time.time())
+                return loaded
+
+            start = time.time()
+            try:
+                await super().apply(version, timed_load)
+            except Exception as exc:
+                await report({"kind": "failed", "version": version, "error": f"{type(exc).__name__}: {exc}"})
+                raise
+            await report({"kind": "applied", "version": self.version, "fetch": spans["fetch"],
+                          "apply_start": start, "load": spans["load"], "applied": time.time()})
+
+    store = TimedStore(weights, _keys(args.run))
+    interrupt = actor.update_mode == "interrupt"
+    gate = TimedGate(0, pause=engine.pause, resume=engine.resume) if interrupt else TimedGate(0)
+    link = TimedLink(engine, f"bench-receiver-{args.index}", WeightsConfig().timeout_s)
 
     async def commands() -> None:
         while not stop.is_set():
@@ -182,21 +269,121 @@ async def _receiver(args: argparse.Namespace) -> None:
                 continue
             cmd = _unpack(reply[1])
             get_start = time.time()
-            nbytes = await transport.raw_receive(raw, cmd["key"])
+            blob = await raw.get(cmd["key"])
             await report({"kind": "raw", "key": cmd["key"], "get_start": get_start, "applied": time.time(),
-                          "nbytes": nbytes})
+                          "nbytes": len(blob)})
+            del blob
 
     # SIGTERM (from the driver) stops both tasks, then the engine shuts down in order.
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     try:
         await reports.rpush(lists["ready"], _pack({"actor": args.index, "start_s": time.time() - started}))
         async with asyncio.TaskGroup() as tg:
-            tg.create_task(transport.receive(args.url, args.run, engine, report, stop))
+            tg.create_task(receive_weights(store, gate, engine.load_weights, actor.weight_poll_s, stop, link=link))
             tg.create_task(commands())
     finally:
-        for client in (control, reports, raw):
+        for client in (control, reports, raw, weights):
             await client.aclose()
         engine.shutdown()
+
+
+# ---- update modes: one engine, generation under updates ------------------------------------
+
+
+async def _update_run(engine, prompt: list[int], weights: str, mode: str, shape: Updates) -> dict:
+    """`shape.concurrency` turns generating in a loop while `shape.updates` updates go through a
+    fresh gate of `mode`; the gate's counters per update, and the run's token rate."""
+    from actors.episode import ModelPolicy
+    from actors.weights import WeightGate
+
+    gate = WeightGate(0, pause=engine.pause, resume=engine.resume) if mode == "interrupt" else WeightGate(0)
+    policy = ModelPolicy(engine, gate)
+    stop = asyncio.Event()
+    tokens = 0
+
+    async def turns() -> None:
+        nonlocal tokens
+        while not stop.is_set():
+            turn = await policy.act(prompt, shape.tokens, env_id=0)
+            tokens += len(turn.generation.token_ids)
+
+    started = time.monotonic()
+    async with asyncio.TaskGroup() as tg:
+        for _ in range(shape.concurrency):
+            tg.create_task(turns())
+        for version in range(1, shape.updates + 1):
+            await asyncio.sleep(shape.spacing_s)
+            await gate.apply(version, lambda: engine.load_weights(weights))
+        await asyncio.sleep(shape.spacing_s)
+        stop.set()  # each loop ends after its turn: the run's tokens/s includes that tail
+    seconds = time.monotonic() - started
+    return {"mode": mode, "applied": gate.applied, "update_s": gate.update_s / gate.applied,
+            "blocked_s": gate.blocked_s / gate.applied, "tokens_per_s": tokens / seconds, "tokens": tokens,
+            "seconds": seconds, "busy": gate.generating_s / seconds}
+
+
+def _update_modes(args: argparse.Namespace) -> None:
+    """interrupt and drain in turn on one engine, `repeats` times; the result to args.result."""
+    from actors.engine import VLLMEngine
+    from common.config import ActorConfig, ModelConfig
+
+    shape = QUICK_UPDATES if args.quick else UPDATES
+    repeats = QUICK_REPEATS if args.quick else REPEATS
+    weights = str(Path(args.model) / "model.safetensors")
+    runs: dict[str, list[dict]] = {mode: [] for mode in UPDATE_MODES}
+    with asyncio.Runner() as runner:
+        async def start():
+            engine = VLLMEngine(ModelConfig(path=args.model, dtype="float32"), ActorConfig(), args.model, seed=0)
+            engine.set_stop([])
+            # The random model samples its end-of-sequence token about once in 128: ignored, so
+            # every turn runs its length and drain waits for whole turns, as with long answers.
+            engine.params["ignore_eos"] = True
+            prompt = engine.tokenizer.encode(PROMPT, add_special_tokens=False)
+            # Untimed: an engine's first reload, generate, pause and resume cost more, once a process.
+            await engine.load_weights(weights)
+            await engine.generate(prompt, 8)
+            await engine.pause()
+            await engine.resume()
+            return engine, prompt
+
+        engine, prompt = runner.run(start())
+        try:
+            def measure(mode: str) -> float:
+                runs[mode].append(runner.run(_update_run(engine, prompt, weights, mode, shape)))
+                return runs[mode][-1]["update_s"]
+
+            alternate({mode: lambda m=mode: measure(m) for mode in UPDATE_MODES}, repeats)
+        finally:
+            engine.shutdown()
+    Path(args.result).write_text(json.dumps({"shape": dataclasses.asdict(shape), "runs": runs}))
+
+
+def measure_update_modes(model: "Model", quick: bool, device: str, log_dir: str) -> dict:
+    """Run `_update_modes` in a process of its own (vLLM's engine core is a child of it: one
+    process group, stopped whole) and return its result."""
+    from deploy.supervisor import Process
+
+    result = Path(log_dir) / "update-modes.json"
+    env = {**os.environ, "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING")}
+    if device == "cuda":
+        env["CUDA_VISIBLE_DEVICES"] = "0"
+    cmd = [sys.executable, "-m", "benchmarks.weights", "--update-modes", "--model", model.path,
+           "--result", str(result), *(["--quick"] if quick else [])]
+    proc = Process("update modes", cmd, Path(log_dir) / "update-modes.log", env=env)
+    proc.start()
+    try:
+        deadline = time.monotonic() + UPDATES_TIMEOUT_S
+        while proc.alive():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the update-mode run took over {UPDATES_TIMEOUT_S:.0f}s:\n{proc.tail(30)}")
+            time.sleep(0.5)
+    finally:
+        proc.stop()
+    if proc.returncode != 0:
+        raise RuntimeError(f"the update-mode run exited with {proc.returncode}:\n{proc.tail(30)}")
+    out = json.loads(result.read_text())
+    out.update(model=model.label, params=model.params)
+    return out
 
 
 # ---- the learner's side: the driver --------------------------------------------------------
@@ -221,7 +408,7 @@ class Receivers:
     the supervisor: a stop is SIGTERM, which shuts the receiver's engine down, then SIGKILL
     to what is left of its group)."""
 
-    def __init__(self, url: str, run: str, model: Model, transport: str, actors: int, device: str, log_dir: str):
+    def __init__(self, url: str, run: str, model: Model, actors: int, device: str, log_dir: str):
         from deploy.supervisor import Process
 
         self.procs: list[Process] = []
@@ -231,7 +418,7 @@ class Receivers:
                 if device == "cuda":
                     env["CUDA_VISIBLE_DEVICES"] = str(i)
                 cmd = [sys.executable, "-m", "benchmarks.weights", "--receiver", "--url", url, "--run", run,
-                       "--model", model.path, "--index", str(i), "--transport", transport]
+                       "--model", model.path, "--index", str(i)]
                 self.procs.append(Process(f"weights receiver {i}", cmd, Path(log_dir) / f"receiver-{run}-{i}.log",
                                           env=env))
                 self.procs[-1].start()
@@ -243,6 +430,9 @@ class Receivers:
         for p in self.procs:
             if not p.alive():
                 raise RuntimeError(f"{p.name} (pid {p.proc.pid}) exited with {p.returncode}:\n{p.tail(30)}")
+
+    def tails(self, lines: int = 15) -> str:
+        return "\n".join(f"--- {p.name}:\n{p.tail(lines)}" for p in self.procs)
 
     def peak_rss_mb(self) -> list[float]:
         """VmHWM of each receiver and its engine processes, summed per receiver."""
@@ -271,7 +461,7 @@ async def _collect(client, key: str, n: int, receivers: Receivers, timeout: floa
     while len(got) < n:
         receivers.check()
         if time.monotonic() > deadline:
-            raise TimeoutError(f"{len(got)} of {n} receivers reported within {timeout:.0f}s")
+            raise TimeoutError(f"{len(got)} of {n} receivers reported within {timeout:.0f}s:\n{receivers.tails()}")
         reply = await client.blpop([key], timeout=1)
         if reply is not None:
             got.append(_unpack(reply[1]))
@@ -279,16 +469,26 @@ async def _collect(client, key: str, n: int, receivers: Receivers, timeout: floa
 
 
 def build_model(root: str, hidden: int, layers: int, heads: int) -> Model:
+    from safetensors import safe_open
+
     from common.models import init_tiny_model
 
     path = init_tiny_model(Path(root) / f"qwen2-h{hidden}-l{layers}", hidden=hidden, layers=layers, heads=heads)
-    return Model(hidden, layers, heads, str(path))
+    params = 0
+    for file in path.glob("*.safetensors"):
+        with safe_open(str(file), "pt") as f:
+            for name in f.keys():
+                count = 1
+                for dim in f.get_slice(name).get_shape():
+                    count *= dim
+                params += count
+    return Model(hidden, layers, heads, str(path), params)
 
 
-def measure_model(runner: asyncio.Runner, url: str, model: Model, transport_name: str, actors: int, repeats: int,
-                  warmup: bool, device: str, log_dir: str) -> dict:
-    """Start the actors on `model`, apply one version untimed (warmup: an engine's first
-    reload costs more, once a process), then alternate system and baseline `repeats` times."""
+def measure_model(runner: asyncio.Runner, url: str, model: Model, actors: int, repeats: int, warmup: bool,
+                  device: str, log_dir: str) -> list[dict]:
+    """Start the actors on `model`, apply one version by each transport untimed (warmup), then
+    alternate the transports and the baseline `repeats` times: one point per transport."""
     import hashlib
 
     from broker.connection import connect
@@ -299,43 +499,45 @@ def measure_model(runner: asyncio.Runner, url: str, model: Model, transport_name
     run = f"w{uuid.uuid4().hex[:8]}"
     lists = _bench_keys(run)
     client = connect(url, blocking=True)  # as learner/bridge.py; used on the runner's loop only
-    transport = TRANSPORTS[transport_name](client, run)
     trainer = Trainer(load_causal_lm(model.path).to(device), LearnerConfig())
-    model.params = sum(p.numel() for p in trainer.model.parameters())
     blob = trainer.weights_blob()
     model.nbytes = len(blob)
-    receivers = Receivers(url, run, model, transport_name, actors, device, log_dir)
-    system_runs: list[dict] = []
+    transports: dict[str, Any] = {}
+    receivers = None
+    system_runs: dict[str, list[dict]] = {name: [] for name in TRANSPORTS}
     baseline_runs: list[dict] = []
     version = 0
 
-    async def system() -> float:
+    async def system(name: str) -> float:
         nonlocal version
         version += 1
+        transport = transports[name]
         t0 = time.time()
-        out = trainer.weights_blob()
+        out = transport.serialise(trainer, version)
         t1 = time.time()
         await transport.publish(version, out)
         t2 = time.time()
+        del out
         reports = await _collect(client, lists["reports"], actors, receivers, STEP_TIMEOUT_S)
         assert all(r["kind"] == "applied" and r["version"] == version for r in reports), reports
         last = max(reports, key=lambda r: r["applied"])
+        (fetch_start, fetch_end), (load_start, load_end) = last["fetch"], last["load"]
         latency = last["applied"] - t0
-        system_runs.append({"seconds": latency, "split": dict(zip(SPLIT, (
-            t1 - t0, t2 - t1, last["fetch_start"] - t2, last["fetch_end"] - last["fetch_start"],
-            last["load_start"] - last["fetch_end"], last["applied"] - last["load_start"])))})
-        return len(out) / latency / 1e6
+        system_runs[name].append({"seconds": latency, "split": dict(zip(SPLIT, (
+            t1 - t0, t2 - t1, fetch_start - t2, fetch_end - fetch_start, load_start - fetch_end,
+            load_end - load_start, last["applied"] - load_end)))})
+        return model.nbytes / latency / 1e6
 
     async def baseline() -> float:
         key = f"{_keys(run).prefix}:bench:raw:{len(baseline_runs)}"
         t0 = time.time()
-        await transport.raw_send(key, blob)
+        await client.set(key, blob)
         t1 = time.time()
         for i in range(actors):
             await client.rpush(f"{lists['cmd']}{i}", _pack({"op": "raw", "key": key}))
         reports = await _collect(client, lists["reports"], actors, receivers, STEP_TIMEOUT_S)
         assert all(r["kind"] == "raw" and r["nbytes"] == len(blob) for r in reports), reports
-        await transport.raw_done(key)
+        await client.delete(key)
         last = max(reports, key=lambda r: r["applied"])
         latency = last["applied"] - t0
         baseline_runs.append({"seconds": latency, "split": dict(zip(BASELINE_SPLIT, (
@@ -343,65 +545,56 @@ def measure_model(runner: asyncio.Runner, url: str, model: Model, transport_name
         return len(blob) / latency / 1e6
 
     try:
+        for name, cls in TRANSPORTS.items():
+            transports[name] = cls(client, run, log_dir)
+        receivers = Receivers(url, run, model, actors, device, log_dir)
         ready = runner.run(_collect(client, lists["ready"], actors, receivers, START_TIMEOUT_S))
+        first_apply = {}
         if warmup:
-            runner.run(system())
-        first_apply = system_runs.pop() if warmup else None
-        runs = alternate({"system": lambda: runner.run(system()), "baseline": lambda: runner.run(baseline())}, repeats)
+            for name in TRANSPORTS:
+                runner.run(system(name))
+                first_apply[name] = system_runs[name].pop()
+        measures = {name: (lambda n=name: runner.run(system(n))) for name in TRANSPORTS}
+        runs = alternate({**measures, "baseline": lambda: runner.run(baseline())}, repeats)
         started = time.perf_counter()
         hashlib.sha256(blob).hexdigest()
-        checksum_s = time.perf_counter() - started  # what publish and fetch+verify each spend on it
+        checksum_s = time.perf_counter() - started  # what publish and fetch spend on it (blob, dir)
         peak_rss = receivers.peak_rss_mb()
         redis_peak = int(runner.run(client.info("memory"))["used_memory_peak"])
+        sent = transports["broadcast"].sender.sent
     finally:
-        receivers.stop()
+        if receivers is not None:
+            receivers.stop()
+        for transport in transports.values():
+            transport.close()
+        runner.run(_forget(client, run))
         runner.run(client.aclose())
-    return {
+    common = {
         "model": model.label, "hidden": model.hidden, "layers": model.layers, "heads": model.heads,
-        "params": model.params, "bytes": model.nbytes, "transport": transport_name, "actors": actors,
-        "engine_start_s": sorted(r["start_s"] for r in ready),
-        "system": spread(runs["system"]), "baseline": spread(runs["baseline"]),
-        "ratio": ratios(runs["system"], runs["baseline"]),
-        "system_mb_s": runs["system"], "baseline_mb_s": runs["baseline"],
-        "system_s": spread([r["seconds"] for r in system_runs]),
+        "params": model.params, "bytes": model.nbytes, "actors": actors,
+        "engine_start_s": sorted(r["start_s"] for r in ready), "checksum_s": checksum_s,
+        "baseline": spread(runs["baseline"]), "baseline_mb_s": runs["baseline"],
         "baseline_s": spread([r["seconds"] for r in baseline_runs]),
-        "split": _median_run(system_runs)["split"], "baseline_split": _median_run(baseline_runs)["split"],
-        "checksum_s": checksum_s, "first_apply": first_apply,
-        "system_runs": system_runs, "baseline_runs": baseline_runs,
-        "receiver_peak_rss_mb": peak_rss, "redis_peak_mb": redis_peak / 1e6,
+        "baseline_split": _median_run(baseline_runs)["split"], "baseline_runs": baseline_runs,
+        "receiver_peak_rss_mb": peak_rss, "redis_peak_mb": redis_peak / 1e6, "broadcast_sent": sent,
     }
+    return [{**common, "transport": name, "system": spread(runs[name]),
+             "ratio": ratios(runs[name], runs["baseline"]), "system_mb_s": runs[name],
+             "system_s": spread([r["seconds"] for r in system_runs[name]]),
+             "split": _median_run(system_runs[name])["split"], "first_apply": first_apply.get(name),
+             "system_runs": system_runs[name]} for name in TRANSPORTS]
+
+
+async def _forget(client, run: str) -> None:
+    """Delete the run's keys (the kept versions' chunks among them): the next model's run needs
+    the memory more."""
+    async for key in client.scan_iter(match=f"{_keys(run).prefix}:*", count=1000):
+        await client.delete(key)
 
 
 def _median_run(runs: list[dict]) -> dict:
     """The repetition of median latency (the lower one of an even count): its parts add up to it."""
     return sorted(runs, key=lambda r: r["seconds"])[(len(runs) - 1) // 2]
-
-
-async def blob_limit(url: str, try_over: bool) -> dict:
-    """Redis's largest bulk value, and (try_over) whether WeightStore.publish of a blob
-    1 MiB over it goes through."""
-    from redis.exceptions import RedisError
-
-    from broker.connection import connect
-    from broker.weights import WeightStore, WeightsTooLarge
-
-    client = connect(url)
-    limit = int((await client.config_get("proto-max-bulk-len"))["proto-max-bulk-len"])
-    version = (await client.info("server"))["redis_version"]
-    result: dict[str, Any] = {"proto_max_bulk_len": limit, "redis_version": version}
-    if try_over:
-        blob = bytes(limit + (1 << 20))
-        try:
-            await WeightStore(client, _keys("limit"), keep=1).publish(1, 1, blob)
-            result.update(tried_bytes=len(blob), published=True, error=None)
-        except (WeightsTooLarge, RedisError, OSError) as exc:
-            result.update(tried_bytes=len(blob), published=False, error=f"{type(exc).__name__}: {exc}")
-        del blob
-        await client.aclose()
-        client = connect(url)
-        result["server_alive_after"] = bool(await client.ping())
-    await client.aclose()
-    return result
 
 
 def run(quick: bool, device: str = "cpu") -> dict:
@@ -413,49 +606,63 @@ def run(quick: bool, device: str = "cpu") -> dict:
     if device == "cuda":
         actors = min(actors, torch.cuda.device_count())
     repeats = QUICK_REPEATS if quick else REPEATS
-    points, skipped = [], []
+    points = []
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="omrl-bench-weights-") as tmp, \
-            EmbeddedRedis(binary=find_redis_server("bundled")) as server, asyncio.Runner() as runner:
-        limit = runner.run(blob_limit(server.url, try_over=False))
+            EmbeddedRedis(binary=find_redis_server("bundled"), extra_args=REDIS_ARGS) as server, \
+            asyncio.Runner() as runner:
+        updates = measure_update_modes(build_model(tmp, *QUICK_MODELS[0]), quick, device, tmp)
+        medians = {mode: spread([r["update_s"] for r in updates["runs"][mode]])["median"] for mode in UPDATE_MODES}
+        print(f"weights: s held back per update, interrupt {medians['interrupt']:.3f}, drain {medians['drain']:.3f} "
+              f"({time.monotonic() - started:.0f} s)", flush=True)
         for shape in QUICK_MODELS if quick else MODELS:
             model = build_model(tmp, *shape)
-            # The checkpoint's safetensors file: the blob's tensors, with a header of about the same size.
-            estimate = sum(f.stat().st_size for f in Path(model.path).glob("*.safetensors"))
-            if estimate >= limit["proto_max_bulk_len"]:
-                skipped.append({"hidden": shape[0], "layers": shape[1], "bytes_about": estimate,
-                                "why": f"over Redis proto-max-bulk-len ({limit['proto_max_bulk_len']} bytes)"})
-                continue
-            for transport in TRANSPORTS:
-                point = measure_model(runner, server.url, model, transport, actors, repeats, not quick, device, tmp)
+            for point in measure_model(runner, server.url, model, actors, repeats, not quick, device, tmp):
                 points.append(point)
-                print(f"weights {point['model']:>7} ({point['bytes'] / 1e6:7.1f} MB) {transport}: MB/s system "
-                      f"{point['system']['median']:8.1f}  baseline {point['baseline']['median']:8.1f}  "
+                print(f"weights {point['model']:>7} ({point['bytes'] / 1e6:7.1f} MB) {point['transport']:>9}: "
+                      f"s {point['system_s']['median']:7.3f} (raw {point['baseline_s']['median']:7.3f}), MB/s "
+                      f"{point['system']['median']:8.1f} (raw {point['baseline']['median']:8.1f})  "
                       f"({time.monotonic() - started:.0f} s)", flush=True)
             for f in Path(model.path).glob("*.safetensors"):
                 f.unlink()  # the next model's engines need the page cache more
-        if not quick:
-            limit = runner.run(blob_limit(server.url, try_over=True))
-            print(f"weights: Redis {limit['redis_version']} proto-max-bulk-len {limit['proto_max_bulk_len']} bytes; "
-                  f"publishing {limit['tried_bytes']} bytes: {'ok' if limit['published'] else limit['error']}",
-                  flush=True)
-    rows = [row(f"{p['model']} params ({p['bytes'] / 1e6:.1f} MB), {p['transport']}: MB/s publish -> applied in "
-                f"{p['actors']} actors", p["system_mb_s"], p["baseline_mb_s"]) for p in points]
-    return {"points": points, "rows": rows, "blob_limit": limit, "skipped": skipped}
+    return {"points": points, "updates": updates, "redis_args": REDIS_ARGS, "rows": _rows(points, updates)}
+
+
+def _rows(points: list[dict], updates: dict) -> list[dict]:
+    """Per model and transport: MB/s and seconds publish -> applied against SET + GET; then the
+    update modes' rows (interrupt against drain). Each row names its transport or update figure."""
+    rows = []
+    for p in points:
+        where = f"{p['model']} params ({p['bytes'] / 1e6:.1f} MB), {p['transport']}"
+        rows.append({**row(f"{where}: MB/s publish -> applied in {p['actors']} actors (baseline: Redis SET + GET)",
+                           p["system_mb_s"], p["baseline_mb_s"]), "transport": p["transport"], "figure": "MB/s"})
+        rows.append({**row(f"{where}: s publish -> applied in {p['actors']} actors (baseline: Redis SET + GET; "
+                           "lower is better)", [r["seconds"] for r in p["system_runs"]],
+                           [r["seconds"] for r in p["baseline_runs"]]), "transport": p["transport"], "figure": "s"})
+    shape, runs = updates["shape"], updates["runs"]
+    workload = (f"{updates['model']} params, {shape['concurrency']} turns of {shape['tokens']} tokens, "
+                f"{shape['updates']} updates")
+    for figure, what in (("update_s", "s generation held back per update"),
+                         ("blocked_s", "s generate calls waited at the gate per update, summed over calls"),
+                         ("tokens_per_s", "tokens/s while updating")):
+        better = "higher" if figure == "tokens_per_s" else "lower"
+        rows.append({**row(f"{what}, interrupt vs drain ({workload}; {better} is better)",
+                           [r[figure] for r in runs["interrupt"]], [r[figure] for r in runs["drain"]]),
+                     "figure": figure})
+    return rows
 
 
 def plot(result: dict, path) -> None:
     plt = pyplot()
     points = result["points"]
-    fig, (rate, split) = plt.subplots(1, 2, figsize=(12, 4.8))
+    fig, (rate, split, modes) = plt.subplots(1, 3, figsize=(18, 5), gridspec_kw={"width_ratios": [1.1, 1.3, 0.8]})
     for transport in dict.fromkeys(p["transport"] for p in points):
         ps = [p for p in points if p["transport"] == transport]
-        x = [p["bytes"] / 1e6 for p in ps]
-        for kind, style, label in (("system", "-o", f"{transport}: publish -> applied"),
-                                   ("baseline", "--x", f"{transport}: raw transport")):
-            med = [p[kind]["median"] for p in ps]
-            err = [[m - p[kind]["min"] for m, p in zip(med, ps)], [p[kind]["max"] - m for m, p in zip(med, ps)]]
-            rate.errorbar(x, med, yerr=err, fmt=style, capsize=3, label=label)
+        _errorbar(rate, [p["bytes"] / 1e6 for p in ps], [p["system"] for p in ps], "-o",
+                  f"{transport}: publish -> applied")
+    if points:
+        ps = [p for p in points if p["transport"] == points[0]["transport"]]  # one baseline per model
+        _errorbar(rate, [p["bytes"] / 1e6 for p in ps], [p["baseline"] for p in ps], "--x", "raw: Redis SET + GET")
     rate.set_xscale("log")
     rate.set_yscale("log")
     rate.set_xlabel("blob (MB)")
@@ -466,7 +673,7 @@ def plot(result: dict, path) -> None:
     labels = [f"{p['model']}\n{p['transport']}" for p in points]
     left = [0.0] * len(points)
     for part in SPLIT:
-        share = [p["split"][part] / sum(p["split"].values()) for p in points]
+        share = [max(0.0, p["split"][part]) / sum(max(0.0, v) for v in p["split"].values()) for p in points]
         split.barh(labels, share, left=left, label=part)
         left = [a + b for a, b in zip(left, share)]
     for i, p in enumerate(points):
@@ -475,21 +682,43 @@ def plot(result: dict, path) -> None:
     split.set_xlim(0, 1.45)
     split.set_xlabel("share of publish -> applied, last actor (median repetition)")
     split.set_title("where the time goes")
-    split.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncol=len(SPLIT) // 2)
+    split.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4)
+    updates = result["updates"]
+    figures = (("update_s", "held back"), ("blocked_s", "calls waited"))
+    width = 0.38
+    for j, mode in enumerate(UPDATE_MODES):
+        runs = updates["runs"][mode]
+        xs = [i + (j - 0.5) * width for i in range(len(figures))]
+        stats = [spread([r[f] for r in runs]) for f, _ in figures]
+        modes.bar(xs, [s["median"] for s in stats], width,
+                  yerr=[[s["median"] - s["min"] for s in stats], [s["max"] - s["median"] for s in stats]],
+                  capsize=3, label=f"{mode} ({spread([r['tokens_per_s'] for r in runs])['median']:.0f} tokens/s)")
+    modes.set_xticks(range(len(figures)), [label for _, label in figures])
+    modes.set_ylabel("s per update (lower is better)")
+    modes.set_title(f"update modes: {updates['shape']['concurrency']} turns of {updates['shape']['tokens']} tokens")
+    modes.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
 
 
+def _errorbar(ax, x: list[float], stats: list[dict], style: str, label: str) -> None:
+    med = [s["median"] for s in stats]
+    err = [[m - s["min"] for m, s in zip(med, stats)], [s["max"] - m for m, s in zip(med, stats)]]
+    ax.errorbar(x, med, yerr=err, fmt=style, capsize=3, label=label)
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="weights benchmark; --receiver: one actor's receiver (internal)")
+    parser = argparse.ArgumentParser(description="weights benchmark; --receiver, --update-modes: its processes "
+                                                 "(internal)")
     parser.add_argument("--receiver", action="store_true", help="run one receiver for the driver in run()")
+    parser.add_argument("--update-modes", action="store_true", help="run the update-mode comparison")
     parser.add_argument("--url", help="Redis URL")
     parser.add_argument("--run", help="run name: the keys' prefix")
     parser.add_argument("--model", help="model directory")
     parser.add_argument("--index", type=int, default=0, help="actor index")
-    parser.add_argument("--transport", choices=list(TRANSPORTS), default="blob")
-    parser.add_argument("--quick", action="store_true", help="without --receiver: the quick run")
+    parser.add_argument("--result", help="--update-modes: the JSON file it writes")
+    parser.add_argument("--quick", action="store_true", help="the quick run")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="without --receiver: where the learner's copy of the model sits")
     args = parser.parse_args(argv)
@@ -498,12 +727,13 @@ def main(argv: list[str] | None = None) -> None:
     if args.receiver:
         setup_logging(f"weights-receiver{args.index}", "INFO")
         asyncio.run(_receiver(args))
+    elif args.update_modes:
+        setup_logging("weights-update-modes", "INFO")
+        _update_modes(args)
     else:
-        import json
-
         setup_logging("weights", "INFO", stream=sys.stderr)
         print(json.dumps(run(args.quick, args.device)["rows"], indent=1))
 
 
-if __name__ == "__main__":  # vLLM starts its engine core with spawn: the receiver needs the guard
+if __name__ == "__main__":  # vLLM starts its engine core with spawn: the guard is needed
     main()

@@ -42,8 +42,18 @@ class Keys:
         """Pub/sub channel announcing each new version."""
         return f"{self.prefix}:weights:announce"
 
-    def weights_blob(self, version: int) -> str:
-        return f"{self.prefix}:weights:blob:{version}"
+    @property
+    def weights_kept(self) -> str:
+        """Sorted set: the versions whose bytes are kept (the newest `learner.keep_versions`)."""
+        return f"{self.prefix}:weights:kept"
+
+    def weights_chunk(self, version: int, index: int) -> str:
+        """String: one chunk of a version's blob (the blob transport through Redis)."""
+        return f"{self.prefix}:weights:blob:{version}:{index}"
+
+    def weights_record(self, version: int) -> str:
+        """Hash: a kept version's record (what `weights_latest` held when it was the newest)."""
+        return f"{self.prefix}:weights:record:{version}"
 
     @property
     def learner_state(self) -> str:

@@ -1,12 +1,27 @@
-"""Weight versions: the record (number, step, transport, byte size, checksum) in a hash,
-the bytes as a blob in Redis (the last K kept), and an announcement on a channel that
-wakes the receivers (who also poll the record, so a lost announcement costs one poll)."""
+"""Weight versions: a record per version (number, step, transport, byte size, checksum, and
+where the bytes are) in a hash, and an announcement on a channel that wakes the receivers
+(who also poll the record, so a lost announcement costs one poll).
+
+Where the bytes of a version are, by the record's `transport`:
+
+    redis      safetensors bytes in chunks of at most `chunk_bytes` (and under the server's
+               proto-max-bulk-len), so a model of any size fits
+    dir        one safetensors file in a directory every process sees (`weights.dir`),
+               written to a temporary name and renamed
+    broadcast  nowhere in Redis: the learner sends the tensors over torch.distributed
+               (learner/broadcast.py); the record says where to join
+
+The last `keep` versions' bytes are kept; older chunks and files are deleted at publish.
+Checksums and file writes run in a thread, off the caller's event loop.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
 import logging
+import os
+import tempfile
 import time
 from typing import Any
 
@@ -21,19 +36,19 @@ log = logging.getLogger(__name__)
 
 
 REDIS_MAX_VALUE = 512 << 20  # Redis's default proto-max-bulk-len: the largest value it accepts
+_INT_FIELDS = ("version", "step", "nbytes", "chunks")
+_HASH_BLOCK = 16 << 20  # bytes hashed at a time
 
 
 class WeightVersionError(RuntimeError):
-    """A blob is gone or does not match its checksum."""
-
-
-class WeightsTooLarge(ValueError):
-    """The blob is over the largest value the server accepts (one SET cannot carry it)."""
+    """A version's bytes are gone or do not match its checksum."""
 
 
 class WeightStore:
-    def __init__(self, client: aioredis.Redis, keys: Keys, keep: int = 3):
+    def __init__(self, client: aioredis.Redis, keys: Keys, keep: int = 3, chunk_bytes: int = 64 << 20,
+                 directory: str | None = None):
         self.client, self.keys, self.keep = client, keys, keep
+        self.chunk_bytes, self.directory = chunk_bytes, directory
         self._max_value: int | None = None
 
     async def max_value(self) -> int:
@@ -47,42 +62,136 @@ class WeightStore:
         return self._max_value
 
     async def publish(self, version: int, step: int, blob: bytes) -> dict[str, Any]:
-        # Over the limit the server drops the connection mid-write, which looks like a network
-        # fault and would be retried forever: refuse it here, once, saying why.
-        limit = await self.max_value()
-        if len(blob) > limit:
-            raise WeightsTooLarge(
-                f"the weights are {len(blob) / 2**20:,.0f} MiB, over the largest value this Redis accepts "
-                f"({limit / 2**20:,.0f} MiB, proto-max-bulk-len): the blob transport sends them as "
-                f"one value. Use a smaller model or model.dtype=bfloat16, or raise proto-max-bulk-len on the server")
-        record = {"version": version, "step": step, "transport": "blob", "nbytes": len(blob),
-                  "sha256": hashlib.sha256(blob).hexdigest(), "time": time.time()}
+        """The blob transport: the bytes in Redis chunks, or a file in `directory`; then the record."""
+        record = {"version": version, "step": step, "nbytes": len(blob),
+                  "sha256": await asyncio.to_thread(_sha256, blob)}
+        if self.directory:
+            path = os.path.join(self.directory, f"v{version}.safetensors")
+            await asyncio.to_thread(_write_atomic, path, blob)
+            record.update(transport="dir", path=path)
+        else:
+            # A value over proto-max-bulk-len makes the server drop the connection: chunks stay under it.
+            size = max(1, min(self.chunk_bytes, await self.max_value() - 1024))
+            view = memoryview(blob)
+            chunks = max(1, -(-len(blob) // size))
+            for i in range(chunks):
+                await self.client.set(self.keys.weights_chunk(version, i), view[i * size:(i + 1) * size])
+            record.update(transport="redis", chunks=chunks)
+        return await self.announce(record)
+
+    async def announce(self, record: dict[str, Any]) -> dict[str, Any]:
+        """Make `record` the newest version (its bytes already where it says), forget the bytes of
+        versions older than the last `keep`, and wake the receivers."""
+        record = {**record, "time": time.time()}
+        version = record["version"]
+        kept = [int(v) for v in await self.client.zrange(self.keys.weights_kept, 0, -1)]
+        dropped = sorted(v for v in kept if v != version)[:max(0, len(kept) + (version not in kept) - self.keep)]
+        old = [await self.latest(v) for v in dropped]
         # One slot ({run}), so one transaction on a cluster too; PUBLISH is not allowed in a
         # cluster pipeline, and the announcement only hurries pollers along, so it goes after.
         async with self.client.pipeline(transaction=True) as pipe:
-            pipe.set(self.keys.weights_blob(version), blob)
+            pipe.hset(self.keys.weights_record(version), mapping=record)
             pipe.hset(self.keys.weights_latest, mapping=record)
-            if version - self.keep >= 0:
-                pipe.delete(self.keys.weights_blob(version - self.keep))
+            pipe.zadd(self.keys.weights_kept, {str(version): version})
+            for v, rec in zip(dropped, old):
+                pipe.zrem(self.keys.weights_kept, str(v))
+                pipe.delete(self.keys.weights_record(v))
+                for i in range(rec["chunks"] if rec else 0):
+                    pipe.delete(self.keys.weights_chunk(v, i))
             await pipe.execute()
+        if self.directory:  # by listing: files of versions Redis forgot (a restart without AOF) go too
+            keep = {version, *(v for v in kept if v not in dropped)}
+            await asyncio.to_thread(_prune, self.directory, keep)
         await self.client.publish(self.keys.weights_channel, str(version))
         return record
 
-    async def latest(self) -> dict[str, Any] | None:
-        raw = await self.client.hgetall(self.keys.weights_latest)
+    async def latest(self, version: int | None = None) -> dict[str, Any] | None:
+        """The newest version's record, or that of `version` while it is kept."""
+        key = self.keys.weights_latest if version is None else self.keys.weights_record(version)
+        raw = await self.client.hgetall(key)
         if not raw:
             return None
-        rec = {k.decode(): v.decode() for k, v in raw.items()}
-        return {"version": int(rec["version"]), "step": int(rec["step"]), "transport": rec["transport"],
-                "nbytes": int(rec["nbytes"]), "sha256": rec["sha256"], "time": float(rec["time"])}
+        rec: dict[str, Any] = {k.decode(): v.decode() for k, v in raw.items()}
+        for field in _INT_FIELDS:
+            if field in rec:
+                rec[field] = int(rec[field])
+        rec["time"] = float(rec["time"])
+        rec.setdefault("chunks", 0)
+        return rec
+
+    async def fetch_to(self, record: dict[str, Any], directory: str) -> str:
+        """A verified safetensors file of the version: the shared file itself (dir), or one
+        written under `directory` from the Redis chunks (the caller deletes it)."""
+        version = record["version"]
+        if record["transport"] == "dir":
+            if not await asyncio.to_thread(os.path.exists, record["path"]):
+                raise WeightVersionError(f"weights of version {version} are no longer stored ({record['path']})")
+            digest = await asyncio.to_thread(_file_sha256, record["path"])
+            path = record["path"]
+        elif record["transport"] == "redis":
+            path = os.path.join(directory, f"v{version}.safetensors")
+            hasher = hashlib.sha256()
+            with open(path, "wb") as f:
+                for i in range(record["chunks"]):
+                    chunk = await self.client.get(self.keys.weights_chunk(version, i))
+                    if chunk is None:
+                        raise WeightVersionError(f"weights of version {version} are no longer stored")
+                    await asyncio.to_thread(_write_and_hash, f, hasher, chunk)
+            digest = hasher.hexdigest()
+        else:
+            raise WeightVersionError(f"weights of version {version} travel by {record['transport']}, not in a blob")
+        if await asyncio.to_thread(os.path.getsize, path) != record["nbytes"] or digest != record["sha256"]:
+            raise WeightVersionError(f"weights of version {version} fail their checksum")
+        return path
 
     async def fetch(self, record: dict[str, Any]) -> bytes:
-        blob = await self.client.get(self.keys.weights_blob(record["version"]))
-        if blob is None:
-            raise WeightVersionError(f"weights of version {record['version']} are no longer stored")
-        if len(blob) != record["nbytes"] or hashlib.sha256(blob).hexdigest() != record["sha256"]:
-            raise WeightVersionError(f"weights of version {record['version']} fail their checksum")
-        return blob
+        """The version's bytes in memory (tests and small models; receivers use `fetch_to`)."""
+        with tempfile.TemporaryDirectory(prefix="omrl-weights-") as tmp:
+            path = await self.fetch_to(record, tmp)
+            with open(path, "rb") as f:
+                return f.read()
+
+
+def _sha256(data: bytes) -> str:
+    hasher, view = hashlib.sha256(), memoryview(data)
+    for start in range(0, len(view), _HASH_BLOCK):
+        hasher.update(view[start:start + _HASH_BLOCK])
+    return hasher.hexdigest()
+
+
+def _file_sha256(path: str) -> str:
+    hasher = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(_HASH_BLOCK):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def _write_and_hash(f, hasher, chunk: bytes) -> None:
+    f.write(chunk)
+    hasher.update(chunk)
+
+
+def _write_atomic(path: str, blob: bytes) -> None:
+    """Readers see the whole file or none: written under a temporary name, synced, renamed."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(blob)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _prune(directory: str, keep: set[int]) -> None:
+    """Delete the version files in `directory` (one run's: weights.dir) but those of `keep`."""
+    for name in os.listdir(directory):
+        stem = name.removeprefix("v").removesuffix(".safetensors")
+        if name.startswith("v") and name.endswith(".safetensors") and stem.isdigit() and int(stem) not in keep:
+            try:
+                os.unlink(os.path.join(directory, name))
+            except FileNotFoundError:
+                pass
 
 
 class Announcements:

@@ -116,13 +116,32 @@ class ActorConfig(Section):
     """Text placed before the first observation."""
     action_template: str = "raw"
     """How the model writes an action: raw, react, tag or json (actors/templates.py)."""
+    chat_template: Literal["auto", "none"] = "auto"
+    """auto: render turns with the tokenizer's chat template when it has one (actors/chat.py); none:
+    plain text, the system text and each observation as they come."""
     rewards: dict[str, float] = Field(default_factory=lambda: {"env": 1.0})
     """Reward functions by name and their weights (envs/rewards.py): env, success, format, process, length."""
     cpus: list[int] = Field(default_factory=list)
     """CPU cores an actor process and its engine run on (empty: any). On one machine, cores of
     their own for the actors and for the learner stand in for devices of their own."""
-    kv_cache_mb: int = Field(64, ge=1)
-    """KV-cache memory of one actor's vLLM engine in MiB."""
+    kv_cache_mb: int | None = Field(None, ge=1)
+    """KV-cache memory of one actor's vLLM engine in MiB (unset: 64 on CPU; on a GPU, what
+    actor.gpu_memory_utilization leaves)."""
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    """Share of a GPU's memory one engine takes (weights, activations and KV cache)."""
+    tensor_parallel_size: int = Field(1, ge=1)
+    """GPUs one engine shards the model over."""
+    max_model_len: int | None = Field(None, ge=16)
+    """The engine's context length (unset: actor.max_seq_len)."""
+    enable_prefix_caching: bool = True
+    """Reuse the KV cache of shared prefixes (a group's episodes share their prompt); reset on every
+    weight update."""
+    enforce_eager: bool | None = None
+    """Run without CUDA graphs (unset: only on CPU, where there are none)."""
+    update_mode: Literal["interrupt", "drain"] = "interrupt"
+    """How a weight update meets running requests. interrupt: generation pauses between decode steps,
+    the update is applied, and each request continues with its tokens kept (those after carry the new
+    version); drain: new requests wait while running ones finish, then the update is applied."""
     seed: int = 0
     """Base seed; actor i uses seed + i."""
     weight_poll_s: float = Field(0.2, gt=0)
@@ -156,9 +175,10 @@ class LearnerConfig(Section):
     publish_every: int = Field(1, ge=1)
     """Publish a new weight version every k steps."""
     keep_versions: int = Field(3, ge=1)
-    """Weight blobs kept in Redis."""
-    algorithm: Literal["grpo", "drgrpo"] = "grpo"
-    """Advantage estimator: grpo (mean/std per group) or drgrpo (mean only)."""
+    """Weight versions whose bytes are kept (blob transport: in Redis or weights.dir)."""
+    algorithm: Literal["grpo", "drgrpo", "rloo", "reinforce"] = "grpo"
+    """Advantage estimator (learner/algorithms.py): grpo (mean/std per group), drgrpo (mean only),
+    rloo (leave-one-out mean of the group), reinforce (the batch's mean reward as baseline)."""
     clip_eps_low: float = Field(0.2, gt=0, lt=1)
     """PPO clip range below 1."""
     clip_eps_high: float = Field(0.2, gt=0)
@@ -226,6 +246,30 @@ class LearnerConfig(Section):
         return 0 if self.mode == "sync" else self.eta
 
 
+class WeightsConfig(Section):
+    """How a weight version travels from the learner to the actors' engines."""
+
+    transport: Literal["blob", "broadcast"] = "blob"
+    """blob: safetensors bytes in Redis chunks (or a file in weights.dir); broadcast: tensors over a
+    torch.distributed group between the learner's rank 0 and each actor's vLLM workers (gloo on CPU,
+    NCCL on GPUs), no bytes in Redis."""
+    dir: str | None = None
+    """blob transport: a directory every learner and actor process sees (a shared volume); the bytes go
+    there instead of into Redis. It holds one run's weights: older version files in it are deleted."""
+    chunk_mb: int = Field(64, ge=1)
+    """blob transport in Redis: the largest value written (the server's proto-max-bulk-len caps it too)."""
+    host: str | None = None
+    """broadcast: the name or address actors reach the learner at (unset: the learner's host name)."""
+    port: int = Field(0, ge=0, le=65535)
+    """broadcast: the learner's rendezvous port (0: a free one; actors read it from Redis)."""
+    bucket_mb: int = Field(256, ge=1)
+    """broadcast: tensors are sent in buckets of about this size (one collective each)."""
+    timeout_s: float = Field(120.0, gt=0)
+    """broadcast: every collective fails past this, naming the peer, instead of stalling the run."""
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """broadcast: auto is NCCL when the learner trains on a GPU, else gloo."""
+
+
 class SupervisorConfig(Section):
     """How `omrl run` keeps its processes alive (the names follow supervisord and systemd)."""
 
@@ -260,6 +304,7 @@ class Config(Section):
     env: EnvConfig = Field(default_factory=EnvConfig)
     actor: ActorConfig = Field(default_factory=ActorConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    weights: WeightsConfig = Field(default_factory=WeightsConfig)
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
 
     @model_validator(mode="after")
@@ -282,6 +327,9 @@ class Config(Section):
         if self.redis.ticket_ttl_s < 3 * self.actor.heartbeat_s:
             raise ValueError(f"redis.ticket_ttl_s must be at least 3 x actor.heartbeat_s ({3 * self.actor.heartbeat_s}s): "
                              f"heartbeats renew tickets, and one missed heartbeat must not return them")
+        if self.actor.max_model_len is not None and self.actor.max_model_len < self.actor.max_seq_len:
+            raise ValueError("actor.max_model_len must be at least actor.max_seq_len (an episode's context): raise "
+                             "max_model_len or lower max_seq_len")
         if self.actor.max_tokens >= self.actor.max_seq_len:
             raise ValueError("actor.max_tokens must be below actor.max_seq_len: raise max_seq_len or lower max_tokens")
         return self

@@ -11,6 +11,18 @@ from pathlib import Path
 
 TINY_EOS = "<|endoftext|>"
 TINY_CHARS = "\n" + string.ascii_lowercase + string.ascii_uppercase + string.digits + " .,:;!?'\"-+*/=()<>[]_#"
+# The tiny model's chat template, over characters of TINY_CHARS (no special tokens to add):
+# "S: " and the system text and a line break, "U: " and the observation, then the answer and a
+# line break. There is no generation prompt, so a prompt ends with the observation (the
+# letters env's letter, which a random 2-layer model learns to repeat quickly). The actors stop
+# at "\n" (actor.stop), which is the whole end of an assistant turn.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ message['content'] + '\\n' }}"
+    "{% elif message['role'] == 'system' %}{{ 'S: ' + message['content'] + '\\n' }}"
+    "{% else %}{{ 'U: ' + message['content'] }}{% endif %}"
+    "{% endfor %}"
+)
 
 
 def build_char_tokenizer():
@@ -28,12 +40,13 @@ def build_char_tokenizer():
 def init_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, heads: int = 2, seed: int = 0,
                     tie_embeddings: bool = False) -> Path:
     """Build a small Qwen2-architecture causal LM with random weights and a character
-    tokenizer, and save both to `out_dir` with `save_pretrained`."""
+    tokenizer with TINY_CHAT_TEMPLATE, and save both to `out_dir` with `save_pretrained`."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
     tokenizer = build_char_tokenizer()
+    tokenizer.chat_template = TINY_CHAT_TEMPLATE
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,

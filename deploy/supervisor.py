@@ -268,8 +268,6 @@ def run(args: argparse.Namespace) -> int:
             from broker.embedded import EmbeddedRedis, free_port
 
             aof = ["--appendfsync", "always"] if cfg.redis.embedded_aof else []
-            # Weight blobs are one value each: 2 GB holds a 500M-parameter fp32 model (Redis's default is 512 MB).
-            aof += ["--proto-max-bulk-len", "2gb"]
             server = EmbeddedRedis(port=free_port(), appendonly=cfg.redis.embedded_aof,
                                    data_dir=str((run_dir / "redis").resolve()), extra_args=aof)
             redis = Process("redis", server.command(), logs / "redis.log", ready=_wait_redis(server.port))

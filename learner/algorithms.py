@@ -6,19 +6,77 @@ Shapes: N samples, T tokens. `loss_mask` is 1 on generated tokens.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
 EPS = 1e-6
 
 
-def grpo_advantages(rewards: torch.Tensor, scale_by_std: bool = True) -> torch.Tensor:
-    """rewards (n_groups, G) -> advantages (n_groups, G): (R - mean_g R) / (std_g R + 1e-6).
-    Dr.GRPO leaves out the division by the std. std is the unbiased sample std."""
+@dataclasses.dataclass(frozen=True)
+class Estimator:
+    """An advantage estimator: rewards (n_groups, G) -> advantages (n_groups, G). Group-relative
+    ones give a group whose rewards are all equal no signal (its samples are not trained on)."""
+
+    advantages: Callable[[torch.Tensor], torch.Tensor]
+    group_relative: bool = True
+
+
+ESTIMATORS: dict[str, Estimator] = {}
+
+
+def estimator(name: str, group_relative: bool = True):
+    """Register an advantage estimator under `learner.algorithm = name`."""
+    def register(fn: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+        if name in ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered twice")
+        ESTIMATORS[name] = Estimator(fn, group_relative)
+        return fn
+    return register
+
+
+@estimator("grpo")
+def grpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """(R - mean_g R) / (std_g R + 1e-6), std the unbiased sample std (GRPO)."""
     centered = rewards - rewards.mean(dim=1, keepdim=True)
-    if not scale_by_std:
-        return centered
     return centered / (rewards.std(dim=1, keepdim=True) + EPS)
+
+
+@estimator("drgrpo")
+def drgrpo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """R - mean_g R: GRPO without the division by the std (Dr.GRPO)."""
+    return rewards - rewards.mean(dim=1, keepdim=True)
+
+
+@estimator("rloo")
+def rloo_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """R_i - mean_{j != i} R_j: each sample's baseline is the mean of the group's others
+    (REINFORCE leave-one-out, Ahmadian et al. 2024); equals G / (G - 1) x (R - mean_g R)."""
+    G = rewards.shape[1]
+    return (rewards * G - rewards.sum(dim=1, keepdim=True)) / (G - 1)
+
+
+@estimator("reinforce", group_relative=False)
+def reinforce_advantages(rewards: torch.Tensor) -> torch.Tensor:
+    """R - mean R over the whole batch: REINFORCE with the batch's mean reward as baseline (no
+    grouping: a group whose rewards are all equal still learns from the others)."""
+    return rewards - rewards.mean()
+
+
+def advantages(algorithm: str, rewards: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[bool]]:
+    """Each group's rewards (G,) -> its samples' advantages, and whether the group carries signal.
+    Group-relative estimators see one group at a time (groups may differ in size); the others
+    see the whole batch as one row."""
+    try:
+        est = ESTIMATORS[algorithm]
+    except KeyError:
+        raise ValueError(f"unknown advantage estimator {algorithm!r}: choose one of {sorted(ESTIMATORS)} "
+                         f"(learner.algorithm)") from None
+    if not est.group_relative:
+        flat = est.advantages(torch.cat(rewards).unsqueeze(0))[0]
+        return list(flat.split([len(r) for r in rewards])), [True] * len(rewards)
+    signal = [bool(has_signal(r.unsqueeze(0))[0]) for r in rewards]
+    return [est.advantages(r.unsqueeze(0))[0] if sig else torch.zeros_like(r) for r, sig in zip(rewards, signal)], signal
 
 
 def has_signal(rewards: torch.Tensor) -> torch.Tensor:

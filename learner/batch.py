@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from common.messages import RolloutGroup
-from learner.algorithms import grpo_advantages, has_signal
+from learner.algorithms import advantages as estimate
 
 
 @dataclasses.dataclass
@@ -65,7 +65,9 @@ class MicroBatch:
     cpu_rows: tuple[torch.Tensor, torch.Tensor]  # the rows as indices into the Batch's (N, T) tensors
 
 
-def collate(groups: list[RolloutGroup], scale_by_std: bool = True, pad_id: int = 0) -> Batch:
+def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0) -> Batch:
+    """Padded tensors of the groups' samples, with each sample's advantage by `algorithm`
+    (learner.algorithm); samples of groups without signal get loss mask 0."""
     samples = [s for g in groups for s in g.samples]
     T = max(len(s.tokens) for s in samples)
     N = len(samples)
@@ -74,11 +76,7 @@ def collate(groups: list[RolloutGroup], scale_by_std: bool = True, pad_id: int =
     loss_mask = torch.zeros((N, T), dtype=torch.float32)
     generated = torch.zeros((N, T), dtype=torch.float32)
     behav = torch.zeros((N, T), dtype=torch.float32)
-    advantages, signal = [], []
-    for g in groups:
-        rewards = torch.from_numpy(g.rewards).unsqueeze(0)  # (1, G)
-        signal.append(bool(has_signal(rewards)[0]))
-        advantages.append(grpo_advantages(rewards, scale_by_std)[0] if signal[-1] else torch.zeros(len(g.samples)))
+    advantages, signal = estimate(algorithm, [torch.from_numpy(g.rewards) for g in groups])
     sample_signal = [sig for g, sig in zip(groups, signal) for _ in g.samples]
     for i, (s, sig) in enumerate(zip(samples, sample_signal)):
         n = len(s.tokens)

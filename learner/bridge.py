@@ -49,7 +49,8 @@ class Delivery:
 
 
 class BrokerBridge:
-    def __init__(self, cfg: RedisConfig, consumer: str, keep_versions: int, queue_size: int, read_count: int):
+    def __init__(self, cfg: RedisConfig, consumer: str, keep_versions: int, queue_size: int, read_count: int,
+                 chunk_bytes: int = 64 << 20, weights_dir: str | None = None):
         self.cfg = cfg
         self.keys = Keys(cfg.run, cfg.shards)
         self.queue: queue.Queue[Delivery] = queue.Queue(maxsize=queue_size)
@@ -57,7 +58,8 @@ class BrokerBridge:
         self.retry = RetryPolicy(attempts=cfg.retry_attempts)
         self.client = connect(cfg, blocking=True)
         self.consumers = [RolloutConsumer(self.client, self.keys, consumer, shard) for shard in range(cfg.shards)]
-        self.store = WeightStore(self.client, self.keys, keep=keep_versions)
+        self.store = WeightStore(self.client, self.keys, keep=keep_versions, chunk_bytes=chunk_bytes,
+                                 directory=weights_dir)
         self.members = Membership(self.client, self.keys)
         self.dead_letters: dict[str, int] = {}
         self.in_flight: set[tuple[int, str]] = set()

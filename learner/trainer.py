@@ -18,6 +18,7 @@ from safetensors.torch import save as save_safetensors
 
 from common.config import LearnerConfig
 from common.timing import Timer
+from common.weight_sync import Packed, pack
 from learner.algorithms import LossConfig, add_stats, loss_metrics, policy_loss
 from learner.batch import Batch, MicroBatch, plan
 from learner.distributed import Single, resolve_device
@@ -170,6 +171,13 @@ class Trainer:
         """The weights as safetensors bytes in the actors' `dtype` (rank 0; every rank must call it)."""
         state = self.hf_state()
         return save_safetensors({k: v.to(dtype).contiguous() for k, v in state.items()}) if self.parallel.is_main else b""
+
+    def weights_packed(self, version: int, dtype: torch.dtype, bucket_bytes: int, device) -> Packed | None:
+        """The weights in buckets for the broadcast transport, in the actors' `dtype` on `device`
+        (rank 0; every rank must call it; the buckets are copies, so training may go on)."""
+        state = self.hf_state()
+        return pack(version, {k: v.to(dtype) for k, v in state.items()}, bucket_bytes, device) \
+            if self.parallel.is_main else None
 
 
 def learn(trainer: Trainer, batches: Iterable[Batch]) -> Iterator[dict[str, float]]:

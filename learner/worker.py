@@ -31,12 +31,14 @@ import numpy as np
 import torch
 
 from broker.admission import floor_accepted
-from broker.weights import WeightStore, WeightsTooLarge
+from broker.weights import WeightStore
 from common.config import Config
 from common.messages import decode_group
 from common.metrics import JsonlSink
 from common.models import load_causal_lm, save_policy
+from common.weight_sync import Packed
 from learner.batch import Batch, collate
+from learner.broadcast import BroadcastSender
 from learner.bridge import BrokerBridge, Delivery
 from learner.checkpoint import LearnerState, RecentIds, latest_checkpoint, read_checkpoint, save_checkpoint
 from learner.distributed import Single, setup
@@ -63,6 +65,7 @@ class Learner:
         self.saving: tuple[Future, list[Delivery], int] | None = None  # a checkpoint being written, its groups
         self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
         self.checkpoint_s = 0.0  # time the last checkpoint held the training loop
+        self.sender: BroadcastSender | None = None  # weights.transport = "broadcast": rank 0's sender
         self.ops = {"restore": self._op_restore, "train": self._op_train, "weights": self._op_weights,
                     "checkpoint": self._op_checkpoint, "final": self._op_final}
 
@@ -92,12 +95,22 @@ class Learner:
         return state
 
     def _op_train(self, datas: list[bytes]) -> tuple[dict, Batch]:
-        batch = collate([decode_group(d) for d in datas], scale_by_std=self.cfg.learner.algorithm == "grpo")
+        batch = collate([decode_group(d) for d in datas], self.cfg.learner.algorithm)
         return self.trainer.train_step(batch), batch
 
-    def _op_weights(self, _=None) -> bytes:
+    def _op_weights(self, _=None) -> bytes | Packed | None:
+        """Rank 0: the weights for the actors, as safetensors bytes (blob) or packed buckets (broadcast)."""
         # In the actors' inference dtype: vLLM would cast fp32 on load anyway, and bf16 halves the bytes.
-        return self.trainer.weights_blob(getattr(torch, self.cfg.model.dtype))
+        dtype, wcfg = getattr(torch, self.cfg.model.dtype), self.cfg.weights
+        if wcfg.transport == "blob":
+            return self.trainer.weights_blob(dtype)
+        device = self.parallel.device if self.weights_backend == "nccl" else torch.device("cpu")
+        return self.trainer.weights_packed(self.state.version, dtype, wcfg.bucket_mb << 20, device)
+
+    @property
+    def weights_backend(self) -> str:
+        backend = self.cfg.weights.backend
+        return backend if backend != "auto" else "nccl" if self.parallel.device.type == "cuda" else "gloo"
 
     def _op_checkpoint(self, _=None) -> tuple[dict, dict]:
         return self.trainer.full_state()
@@ -145,22 +158,23 @@ class Learner:
 
     def _publish(self, bridge: BrokerBridge) -> None:
         store: WeightStore = bridge.store
-        blob = self._all("weights")
+        weights = self._all("weights")
         version, step = self.state.version, self.state.step
         keys = bridge.keys
-
         trained = self.state.groups_trained
+        # broadcast: each actor's link sends it when the actor asks
+        record = self.sender.publish(weights, step) if isinstance(weights, Packed) else None
 
         async def publish():
-            await store.publish(version, step, blob)
+            if record is not None:
+                await store.announce(record)
+            else:
+                await store.publish(version, step, weights)
             await bridge.client.hset(keys.learner_state, mapping={"step": step, "version": version,
                                                                   "groups_trained": trained, "time": time.time()})
             await floor_accepted(bridge.client, keys, trained)
 
-        try:
-            bridge.call(publish, "publish weights")
-        except WeightsTooLarge as exc:
-            raise SystemExit(f"error: {exc}") from None
+        bridge.call(publish, "publish weights")
 
     def _commit(self, bridge: BrokerBridge, background: bool) -> None:
         """Checkpoint what was trained on; acknowledge its groups once the file is durable (now,
@@ -200,6 +214,8 @@ class Learner:
             return self._lead() if self.parallel.is_main else self._follow()
         finally:
             self.writer.shutdown(wait=True)
+            if self.sender is not None:
+                self.sender.close()
             self.parallel.close()
 
     def _lead(self) -> int:
@@ -208,8 +224,13 @@ class Learner:
         signal.signal(signal.SIGINT, self._on_signal)
         found = latest_checkpoint(self.checkpoint_dir)
         restored = self._all("restore", str(found) if found else None)
+        wcfg = cfg.weights
         bridge = BrokerBridge(cfg.redis, consumer=lcfg.consumer, keep_versions=lcfg.keep_versions,
-                              queue_size=2 * lcfg.groups_per_step, read_count=lcfg.groups_per_step).start()
+                              queue_size=2 * lcfg.groups_per_step, read_count=lcfg.groups_per_step,
+                              chunk_bytes=wcfg.chunk_mb << 20, weights_dir=wcfg.dir).start()
+        if wcfg.transport == "broadcast":
+            self.sender = BroadcastSender(wcfg.host, wcfg.port, self.weights_backend, wcfg.timeout_s)
+            log.info("weights go by broadcast (%s) from %s", self.weights_backend, self.sender.address)
         latest = bridge.call(bridge.store.latest, "read the weight version")
         if restored is not None:
             self.state = restored
@@ -301,6 +322,8 @@ class Learner:
             t0 = time.perf_counter()
             self._publish(bridge)
             metrics["learner/time/publish_s"] = time.perf_counter() - t0
+        if self.sender is not None:  # broadcast: actors joined, and versions sent to them so far
+            metrics.update({"weights/links": len(self.sender.links), "weights/sent": self.sender.sent})
         generated = np.concatenate([s.versions[s.loss_mask.astype(bool)] for g in groups for s in g.samples])
         samples = [s for g in groups for s in g.samples]
         turns = sum(s.num_turns for s in samples)

@@ -39,8 +39,10 @@ def omrl(*args: str, **kw) -> subprocess.Popen:
 def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    # The default run, plus an evaluation on 16 held-out tasks every 40 versions.
-    proc = omrl("run", "--run-dir", str(run_dir), "--set", "learner.eval_every=40", "--set", "learner.eval_tasks=16")
+    # The default run, plus an evaluation on 16 held-out tasks every 40 versions, with weights
+    # going by broadcast (gloo) straight into the actors' engines.
+    proc = omrl("run", "--run-dir", str(run_dir), "--set", "learner.eval_every=40", "--set", "learner.eval_tasks=16",
+                "--set", 'weights.transport="broadcast"')
     out, _ = proc.communicate(timeout=850)
     elapsed = time.monotonic() - started
     print(out[-4000:])
@@ -61,7 +63,8 @@ def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
     versions_used = {v for r in rows for v in (r["batch/version_min"], r["batch/version_max"])}
     assert len({v for v in versions_used if v >= 1}) >= 2, versions_used
     for log in sorted((run_dir / "logs").glob("actor*.log")):
-        assert log.read_text().count("applied weight version") >= 2, log
+        assert log.read_text().count("by broadcast") >= 2, log
+    assert (run_dir / "logs" / "learner.log").read_text().count("joined the weight group") == 2
     assert (run_dir / "metrics.png").stat().st_size > 0
     # Evaluations at the first version, then every 40, reached the learner's step records.
     evals = [r for r in rows if "eval/reward" in r]
@@ -87,9 +90,10 @@ def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
 def test_ctrl_c_stops_every_process_and_two_ranks_resume_on_one(tmp_path):
     """The learner runs as 2 FSDP2 ranks under torchrun; Ctrl-C stops every process (the
     ranks included) after a commit; the run then resumes from that checkpoint on 1 rank."""
-    run_dir = tmp_path / "run"
+    run_dir, shared = tmp_path / "run", tmp_path / "shared"
+    # Weights as files in a shared directory (weights.dir) rather than in Redis.
     proc = omrl("run", "--run-dir", str(run_dir), "--steps", "1000", "--set", "learner.ranks=2",
-                "--set", 'learner.parallel="fsdp2"')
+                "--set", 'learner.parallel="fsdp2"', "--set", f'weights.dir="{shared}"')
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -107,10 +111,14 @@ def test_ctrl_c_stops_every_process_and_two_ranks_resume_on_one(tmp_path):
     stopped_at = max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl"))
 
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir),
-                           "--steps", str(stopped_at + 2)], capture_output=True, text=True, timeout=240)
+                           "--steps", str(stopped_at + 2), "--set", f'weights.dir="{shared}"'],
+                          capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stdout[-3000:]
     # The stop committed its last step; one rank read the checkpoint that two ranks wrote.
     assert f"step-{stopped_at:08d}.pt: step {stopped_at}," in (run_dir / "logs" / "learner.log").read_text()
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps[-2:] == [stopped_at + 1, stopped_at + 2], steps  # went on from the 2-rank checkpoint
+    files = sorted(shared.glob("v*.safetensors"))
+    assert 1 <= len(files) <= 3 and not list(shared.glob("*.tmp-*"))  # the last learner.keep_versions, whole
+    assert "applied weight version" in (run_dir / "logs" / "actor0.log").read_text()
     assert processes_mentioning(str(run_dir)) == []

@@ -53,7 +53,8 @@ class ScriptedEngine:
         self.answer = tokenizer.encode("a\n", add_special_tokens=False)
         self.loaded: list[str] = []
 
-    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None) -> Generation:
+    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None,
+                       turn_start: int | None = None, sent=None) -> Generation:
         await asyncio.sleep(0.005)
         ids = self.answer[:max_tokens]
         return Generation(ids, [-0.5] * len(ids), "stop")
@@ -162,8 +163,8 @@ def test_a_version_rotated_out_before_the_fetch_makes_the_actor_fetch_the_newest
                 self.calls += 1
                 return stale_record if self.calls == 1 else await store.latest()
 
-            async def fetch(self, record):
-                return await store.fetch(record)
+            async def fetch_to(self, record, directory):
+                return await store.fetch_to(record, directory)
 
         gate, reader = WeightGate(), SlowReader()
         with caplog.at_level(logging.WARNING):

@@ -4,15 +4,18 @@ runs also check what synchronous mode promises (every group on the learner's cur
 weights) and that the async run went ahead of the learner."""
 
 import json
+import math
 import subprocess
 import sys
+
+import pytest
 
 from benchmarks.run import BENCHMARKS
 
 
 def test_bench_all_quick_writes_json_plots_and_table(tmp_path):
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "all", "--quick", "--out", str(tmp_path)],
-                          capture_output=True, text=True, timeout=600)
+                          capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     rows = 0
     for name in BENCHMARKS:
@@ -26,8 +29,34 @@ def test_bench_all_quick_writes_json_plots_and_table(tmp_path):
         rows += len(result["rows"])
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     check_pipeline_runs(json.loads((tmp_path / "pipeline.json").read_text())["runs"])
+    check_weights(json.loads((tmp_path / "weights.json").read_text()))
     table = (tmp_path / "table.md").read_text().splitlines()
     assert table[0].startswith("| benchmark |") and len(table) == 2 + rows
+
+
+def check_weights(result):
+    """A row per transport and figure, and per update-mode figure, each finite and positive;
+    every version by broadcast was sent, once per actor."""
+    def finite_positive(row):
+        r = row["ratio"]
+        assert all(math.isfinite(x) and x > 0 for x in (row["system"], row["baseline"], r["median"])), row
+        assert 0 < r["min"] <= r["median"] <= r["max"], row
+
+    rows = result["rows"]
+    for row in rows:
+        finite_positive(row)
+    assert {(r["transport"], r["figure"]) for r in rows if "transport" in r} == {
+        (t, f) for t in ("blob", "dir", "broadcast") for f in ("MB/s", "s")}
+    assert sorted(r["figure"] for r in rows if "transport" not in r) == ["blocked_s", "tokens_per_s", "update_s"]
+    points = {p["transport"]: p for p in result["points"]}
+    assert set(points) == {"blob", "dir", "broadcast"}
+    for p in points.values():
+        assert sum(p["split"].values()) == pytest.approx(p["system_s"]["median"]), p
+    broadcast = points["broadcast"]
+    assert broadcast["broadcast_sent"] == len(broadcast["system_runs"]) * broadcast["actors"]  # quick: no warm-up
+    shape, runs = result["updates"]["shape"], result["updates"]["runs"]
+    assert all(r["applied"] == shape["updates"] and r["tokens"] >= shape["concurrency"] * shape["tokens"]
+               for mode in ("interrupt", "drain") for r in runs[mode]), runs
 
 
 def test_an_unknown_benchmark_is_refused_with_the_choices():

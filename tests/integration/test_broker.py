@@ -1,6 +1,7 @@
 """The rollouts streams, recovery and the weight store on real Redis servers (6.2 and 7)."""
 
 import asyncio
+import os
 
 import pytest
 import redis.exceptions
@@ -11,7 +12,7 @@ from broker.membership import Membership
 from broker.retry import RetryPolicy
 from broker.status import run_status
 from broker.streams import RolloutConsumer, RolloutProducer, stream_info
-from broker.weights import WeightStore, WeightsTooLarge, WeightVersionError
+from broker.weights import WeightStore, WeightVersionError
 
 pytestmark = pytest.mark.redis
 
@@ -222,35 +223,57 @@ def test_membership_reports_dead_members(redis_server_url, run_name):
     run(scenario())
 
 
-def test_weight_store_publishes_verifies_and_keeps_the_last_k(redis_server_url, run_name):
+def test_weight_store_publishes_verifies_and_keeps_the_last_k(redis_server_url, run_name, tmp_path):
+    """Blob versions in Redis chunks (100 bytes in chunks of 32: 4 chunks) and in a shared
+    directory: fetched whole and verified, the last `keep` kept, the rest deleted."""
     async def scenario():
         client = connect(redis_server_url)
         keys = Keys(run_name)
-        store = WeightStore(client, keys, keep=2)
+        store = WeightStore(client, keys, keep=2, chunk_bytes=32)
         assert await store.latest() is None
         pubsub = client.pubsub()
         await pubsub.subscribe(keys.weights_channel)
         await pubsub.get_message(timeout=1)  # subscribe confirmation
         for v in range(4):
-            await store.publish(v, step=10 * v, blob=bytes([v]) * 100)
+            await store.publish(v, step=10 * v, blob=bytes(range(v, v + 100)))
         record = await store.latest()
         assert record["version"] == 3 and record["step"] == 30 and record["nbytes"] == 100
-        assert await store.fetch(record) == bytes([3]) * 100
+        assert record["transport"] == "redis" and record["chunks"] == 4
+        assert await store.fetch(record) == bytes(range(3, 103))
+        assert await store.fetch(await store.latest(2)) == bytes(range(2, 102))
         msg = await pubsub.get_message(timeout=1)
         assert msg["data"] == b"0"
+        assert await store.latest(1) is None and not await client.exists(keys.weights_chunk(1, 0))
+        assert [int(v) for v in await client.zrange(keys.weights_kept, 0, -1)] == [2, 3]
         with pytest.raises(WeightVersionError, match="no longer stored"):
             await store.fetch({**record, "version": 1})
-        await client.set(keys.weights_blob(3), b"tampered")
+        await client.set(keys.weights_chunk(3, 2), b"tampered")
         with pytest.raises(WeightVersionError, match="checksum"):
             await store.fetch(record)
+
+        shared = WeightStore(client, keys, keep=2, directory=str(tmp_path / "shared"))
+        for v in (4, 5, 6):
+            await shared.publish(v, step=v, blob=b"v%d" % v)
+        record = await shared.latest()
+        assert record["transport"] == "dir" and record["path"] == str(tmp_path / "shared" / "v6.safetensors")
+        assert await shared.fetch(record) == b"v6"
+        assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["v5.safetensors", "v6.safetensors"]
+        assert not await client.exists(keys.weights_chunk(3, 0))  # version 3's chunks went with it
+        (tmp_path / "shared" / "v6.safetensors").write_bytes(b"v7")
+        with pytest.raises(WeightVersionError, match="checksum"):
+            await shared.fetch(record)
+        # Redis restarted empty (no AOF): the files it no longer knows of still go.
+        await client.delete(keys.weights_kept)
+        await shared.publish(7, step=7, blob=b"v7")
+        assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["v7.safetensors"]
         await pubsub.aclose()
         await client.aclose()
     run(scenario())
 
 
-def test_weights_over_the_servers_value_limit_are_refused_once_with_the_reason(redis_server_url, run_name):
+def test_weights_over_the_servers_value_limit_go_in_chunks_under_it(redis_server_url, run_name):
     """Redis drops the connection on a value over proto-max-bulk-len (here lowered to 1 MiB,
-    its smallest), which looks like a network fault: publish refuses such a blob up front."""
+    its smallest), which looks like a network fault: the store's chunks stay under it."""
     async def scenario():
         client = connect(redis_server_url)
         (old,) = (await client.config_get("proto-max-bulk-len")).values()
@@ -261,11 +284,11 @@ def test_weights_over_the_servers_value_limit_are_refused_once_with_the_reason(r
             with pytest.raises((redis.exceptions.ConnectionError, redis.exceptions.ResponseError)):
                 await raw.set("too-large", b"x" * (2 << 20))
             await raw.aclose()
-            with pytest.raises(WeightsTooLarge, match="2 MiB, over the largest value this Redis accepts .1 MiB"):
-                await store.publish(1, 1, b"x" * (2 << 20))
-            assert await store.latest() is None
-            await store.publish(1, 1, b"x" * (1 << 19))
-            assert (await store.latest())["nbytes"] == 1 << 19
+            blob = os.urandom(5 << 19)  # 2.5 MiB
+            await store.publish(1, 1, blob)
+            record = await store.latest()
+            assert record["chunks"] == 3 and record["nbytes"] == len(blob)
+            assert await store.fetch(record) == blob
         finally:
             await client.config_set("proto-max-bulk-len", old)
             await client.aclose()
@@ -274,7 +297,8 @@ def test_weights_over_the_servers_value_limit_are_refused_once_with_the_reason(r
 
 def test_every_key_of_a_run_shares_its_hash_tag():
     keys = Keys("r1")
-    for key in (keys.rollouts(), keys.dead_letters, keys.weights_latest, keys.weights_channel, keys.weights_blob(3),
+    for key in (keys.rollouts(), keys.dead_letters, keys.weights_latest, keys.weights_channel, keys.weights_chunk(3, 0),
+                keys.weights_record(3), keys.weights_kept,
                 keys.tickets_held, keys.tickets_lost, keys.tickets_accepted, keys.counts, keys.members,
                 keys.learner_state):
         assert "{r1}" in key

@@ -116,6 +116,81 @@ def test_episode_is_token_exact(engine, cfg, loop):
                 runs.append((bool(gen[start]), s.tokens[start:i].tolist()))
                 start = i
         context = [tok.decode(ids) for is_gen, ids in runs if not is_gen]
-        assert context[0].startswith("Say ") and len([r for r in runs if r[0]]) == 3
-        for text in context[1:]:
-            assert text.startswith("\nSay ")
+        assert context[0].startswith("U: Say ") and len([r for r in runs if r[0]]) == 3  # the tiny chat template
+        for (_, generated), text in zip(runs[1::2], context[1:]):
+            # The template's end of turn ("\n") goes in as context after a turn that ended otherwise (EOS).
+            suffix = "" if tok.decode(generated).endswith("\n") else "\n"
+            assert text.startswith(suffix + "U: \nSay ")
+
+
+def perturbed(path: str, scale: float, seed: int):
+    model = load_causal_lm(path)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * scale)
+    return model
+
+
+def test_an_update_interrupts_a_turn_which_continues_on_the_new_weights(engine, cfg, loop, tmp_path):
+    """interrupt mode: an update lands while a turn generates; the turn keeps the tokens it had
+    (version 0, log-probs of the old weights) and continues on the new ones (version 1, log-probs
+    of the new weights, over the whole buffer as the learner scores it). A turn that ends before
+    the update lands is tried again (the model may stop at once)."""
+    from actors.episode import ModelPolicy
+
+    old, new = load_causal_lm(cfg.model.path), perturbed(cfg.model.path, 0.5, seed=1)
+    old_path, new_path = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    old_path.write_bytes(Trainer(old, cfg.learner).weights_blob())
+    new_path.write_bytes(Trainer(new, cfg.learner).weights_blob())
+    prompt = engine.tokenizer.encode("U: Say c", add_special_tokens=False)
+
+    async def attempt():
+        await engine.load_weights(str(old_path))
+        gate = WeightGate(0, pause=engine.pause, resume=engine.resume)
+        turn = asyncio.create_task(ModelPolicy(engine, gate).act(prompt, 120, env_id=0))
+        await asyncio.sleep(0.05)
+        await gate.apply(1, lambda: engine.load_weights(str(new_path)))
+        return await turn, gate
+
+    engine.set_stop(["\n"])
+    for _ in range(8):
+        turn, gate = loop.run_until_complete(attempt())
+        if 0 in turn.version and 1 in turn.version:
+            break
+    else:
+        pytest.fail("no turn was still generating when the update landed in 8 tries")
+    versions = np.asarray(turn.version)
+    cut = int(np.argmax(versions == 1))
+    assert (versions[:cut] == 0).all() and (versions[cut:] == 1).all() and cut > 0  # tokens kept, in order
+    ids = turn.generation.token_ids
+    assert len(turn.generation.logprobs) == len(ids) <= 120
+    full = prompt + ids
+    lp = np.asarray(turn.generation.logprobs)
+    np.testing.assert_allclose(lp[:cut], hf_logprobs(old, full)[len(prompt):][:cut].numpy(), atol=2e-3)
+    np.testing.assert_allclose(lp[cut:], hf_logprobs(new, full)[len(prompt):][cut:].numpy(), atol=2e-3)
+    assert gate.update_s < 5.0
+
+
+def test_a_stop_string_of_several_tokens_ends_the_turn_with_its_tokens_as_sampled(engine, cfg, loop):
+    """Greedy, so the continuation is known: a stop sequence taken from the middle of it ends
+    the generation right after its first occurrence, through the streaming (DELTA) path; with a
+    continuation (turn_start) the sequence may begin in tokens generated before."""
+    prompt = engine.tokenizer.encode("U: Say d", add_special_tokens=False)
+    try:
+        engine.set_stop([])
+        free = loop.run_until_complete(engine.generate(prompt, 24, temperature=0.0)).token_ids
+        assert len(free) == 24
+        stop = engine.tokenizer.decode(free[6:9])
+        first = next(i for i in range(len(free)) if engine.tokenizer.decode(free[i:i + 3]) == stop)
+        engine.set_stop([stop])
+        assert engine.stop_seqs == [free[6:9]]
+        gen = loop.run_until_complete(engine.generate(prompt, 24, temperature=0.0))
+        assert gen.token_ids == free[:first + 3] and gen.finish_reason == "stop"
+        assert len(gen.logprobs) == len(gen.token_ids)
+        # A continuation whose first new token completes the stop sequence begun before it.
+        head = free[:first + 2]
+        cont = loop.run_until_complete(engine.generate(prompt + head, 24, temperature=0.0, turn_start=len(prompt)))
+        assert cont.token_ids == [free[first + 2]] and cont.finish_reason == "stop"
+    finally:
+        engine.set_stop(cfg.actor.stop)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from learner.algorithms import LossConfig, grpo_advantages, has_signal, loss_metrics, policy_loss
+from learner.algorithms import ESTIMATORS, LossConfig, advantages, has_signal, loss_metrics, policy_loss
 from learner.scoring import head_logprobs
 
 
@@ -25,17 +25,40 @@ def np_loss(lc, lp, lb, adv, mask, C=2.0, reject=5.0, eps_low=0.2, eps_high=0.28
     return -(m * w * obj).sum() / mask.sum()  # over the trained tokens, rejected ones included
 
 
-def test_grpo_advantages_match_numpy():
+def np_rloo(rewards):
+    """Each sample's baseline: the mean of the other G - 1 rewards of its group (a loop, as written)."""
+    n, G = rewards.shape
+    out = np.zeros_like(rewards)
+    for g in range(n):
+        for i in range(G):
+            others = [rewards[g, j] for j in range(G) if j != i]
+            out[g, i] = rewards[g, i] - sum(others) / (G - 1)
+    return out
+
+
+def test_advantage_estimators_match_numpy():
     rewards = np.random.default_rng(0).random((4, 6)).astype(np.float32)
-    for scale in (True, False):
-        got = grpo_advantages(torch.from_numpy(rewards), scale_by_std=scale).numpy()
-        np.testing.assert_allclose(got, np_grpo(rewards, scale), rtol=1e-5, atol=1e-6)
+    groups = [torch.from_numpy(r) for r in rewards]
+    expected = {"grpo": np_grpo(rewards, True), "drgrpo": np_grpo(rewards, False), "rloo": np_rloo(rewards),
+                "reinforce": rewards - rewards.mean()}
+    assert set(expected) == set(ESTIMATORS)
+    for name, want in expected.items():
+        got, signal = advantages(name, groups)
+        np.testing.assert_allclose(torch.stack(got).numpy(), want, rtol=1e-5, atol=1e-6, err_msg=name)
+        assert signal == [True] * 4
 
 
-def test_groups_with_equal_rewards_have_no_signal():
-    rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0]])
-    assert has_signal(rewards).tolist() == [False, True]
-    assert torch.all(grpo_advantages(rewards)[0] == 0)
+def test_groups_with_equal_rewards_have_no_signal_unless_the_baseline_is_the_batch():
+    rewards = [torch.tensor([1.0, 1.0, 1.0]), torch.tensor([0.0, 1.0, 0.0, 0.0])]  # groups may differ in size
+    assert has_signal(torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 0.0]])).tolist() == [False, True]
+    for name in ("grpo", "drgrpo", "rloo"):
+        got, signal = advantages(name, rewards)
+        assert signal == [False, True] and torch.all(got[0] == 0) and got[1].shape == (4,), name
+    got, signal = advantages("reinforce", rewards)  # baseline 4/7: the equal group is above it
+    assert signal == [True, True]
+    np.testing.assert_allclose(torch.cat(got).numpy(), np.array([1, 1, 1, 0, 1, 0, 0]) - 4 / 7, rtol=1e-6)
+    with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'.*learner.algorithm"):
+        advantages("ppo", rewards)
 
 
 @pytest.mark.parametrize("dual", [None, 3.0])

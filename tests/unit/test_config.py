@@ -57,6 +57,12 @@ def test_cross_field_check():
         load_config(None, ["actor.max_tokens=300", "actor.max_seq_len=256"], environ={})
 
 
+def test_the_engine_context_may_not_be_shorter_than_an_episode():
+    with pytest.raises(ConfigError, match="actor.max_model_len must be at least actor.max_seq_len"):
+        load_config(None, ["actor.max_seq_len=512", "actor.max_model_len=256"], environ={})
+    assert load_config(None, ["actor.max_seq_len=512", "actor.max_model_len=1024"], environ={}).actor.max_model_len == 1024
+
+
 def test_dump_round_trips(tmp_path):
     cfg = load_config(None, ["env.options={turns = 3, alphabet = \"xy\"}", "redis.url=redis://h:1/0",
                              "actor.system_prompt=\"a \\\"quoted\\\"\\nline\""], environ={})

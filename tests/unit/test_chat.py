@@ -1,0 +1,234 @@
+"""Chat templates in the episode loop: an episode's tokens are the template's render of its
+conversation, generated tokens exactly as sampled (mask 1), everything else mask 0.
+
+Episodes run through `run_episode` with a scripted policy and the real `letters` env behind an
+in-memory client; tokenizers are the tiny model's (saved and loaded back) and a ChatML one built
+here. Nothing is downloaded."""
+
+import asyncio
+
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from actors.chat import ChatFormat, PlainFormat, make_format
+from actors.engine import Generation
+from actors.episode import EpisodeSetup, Turn, run_episode
+from actors.templates import make_template
+from common.config import ActorConfig
+from common.models import TINY_CHAT_TEMPLATE, build_char_tokenizer
+from envs.base import StepResult, make_env
+from envs.specs import spec_for
+
+CHATML = ("{% for message in messages %}"  # Qwen's ChatML, without its default system message
+          "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+SYSTEM = "Play.\nWrite your action between <action> and </action>."  # system_prompt, the tag template's instructions
+
+
+class LocalEnvClient:
+    """The env client's interface over a real env in this process (no server)."""
+
+    def __init__(self, name: str, **options):
+        self.env, self.spec = make_env(name, **options), spec_for(name)
+
+    async def create(self) -> int:
+        return 0
+
+    async def reset(self, env_id, task_idx):
+        return StepResult(self.env.reset(task_idx), 0.0, False)
+
+    async def step(self, env_id, action):
+        return self.env.step(action)
+
+    async def close_quietly(self, env_id) -> None:
+        pass
+
+
+class ScriptedPolicy:
+    """Each turn generates the next scripted token ids (log-prob -0.5, version 3)."""
+
+    def __init__(self, generations: list[tuple[list[int], str]]):
+        self.generations, self.seen = list(generations), []
+
+    async def act(self, tokens, budget, env_id):
+        self.seen.append(list(tokens))
+        ids, finish = self.generations.pop(0)
+        return Turn(Generation(ids, [-0.5] * len(ids), finish), version=3)
+
+
+@pytest.fixture
+def tiny_tokenizer(tiny_model):
+    return AutoTokenizer.from_pretrained(tiny_model)  # the template as init_tiny_model saved it
+
+
+def chatml_tokenizer():
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = CHATML
+    return tokenizer
+
+
+def end_of_turn(tokenizer) -> list[int]:
+    """What the model samples to end its turn: the stop "\\n" (tiny), <|im_end|> (ChatML)."""
+    return tokenizer.encode("<|im_end|>" if "<|im_end|>" in tokenizer.get_vocab() else "\n", add_special_tokens=False)
+
+
+def episode(tokenizer, generations, turns=3, max_turns=4, chat_template="auto", system_prompt="Play.\n"):
+    cfg = ActorConfig(max_turns=max_turns, max_tokens=32, max_seq_len=1000, system_prompt=system_prompt,
+                      chat_template=chat_template)
+    setup = EpisodeSetup(LocalEnvClient("letters", turns=turns), tokenizer, cfg, make_template("tag"), "letters")
+    policy = ScriptedPolicy(generations)
+    return asyncio.run(run_episode(setup, policy, task_idx=0)), policy, setup
+
+
+def runs(sample) -> list[tuple[bool, list[int]]]:
+    """The sample cut into runs of generated (True) and context (False) tokens."""
+    gen, out, start = sample.loss_mask.astype(bool), [], 0
+    for i in range(1, len(sample.tokens) + 1):
+        if i == len(sample.tokens) or gen[i] != gen[start]:
+            out.append((bool(gen[start]), sample.tokens[start:i].tolist()))
+            start = i
+    return out
+
+
+def letters_of(task_idx: int, turns: int) -> list[str]:
+    env = make_env("letters", turns=turns)
+    env.reset(task_idx)
+    return list(env.targets)
+
+
+@pytest.mark.parametrize("which", ["tiny", "chatml"])
+@pytest.mark.parametrize("ending", ["done", "max_turns"])
+def test_episode_equals_the_template_render_of_its_conversation(which, ending, tiny_tokenizer):
+    tokenizer = tiny_tokenizer if which == "tiny" else chatml_tokenizer()
+    turns, max_turns = (3, 4) if ending == "done" else (3, 2)
+    texts = [f"<action>{x}</action>" for x in letters_of(0, turns)]
+    generated = [tokenizer.encode(t, add_special_tokens=False) + end_of_turn(tokenizer) for t in texts]
+    sample, policy, setup = episode(tokenizer, [(ids, "stop") for ids in generated], turns, max_turns)
+    assert sample.finish_reason == ending and sample.num_turns == min(turns, max_turns)
+    assert isinstance(setup.format, ChatFormat)
+
+    # The same conversation, rendered whole by the template.
+    env = make_env("letters", turns=turns)
+    observations = [env.reset(0)] + [env.step(x).observation for x in letters_of(0, turns)]
+    messages = [{"role": "system", "content": SYSTEM}]
+    for obs, text in zip(observations, texts[:sample.num_turns]):
+        messages += [{"role": "user", "content": obs}, {"role": "assistant", "content": text}]
+    if ending == "done":
+        full = tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+        # The episode ends at the last generation: the final assistant suffix beyond what the
+        # model generated (ChatML's "\n" after <|im_end|>; nothing for the tiny template) is
+        # the template's, not the episode's, so it is left out of the comparison.
+        tail = setup.format.assistant_suffix[len(end_of_turn(tokenizer)):]
+        assert full[len(sample.tokens):] == tail
+        full = full[:len(sample.tokens)]
+    else:  # cut by max_turns after the next user turn and the generation prompt
+        messages.append({"role": "user", "content": observations[sample.num_turns]})
+        full = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert sample.tokens.tolist() == full
+
+    # Masks: exactly the generated tokens are mask 1, with their log-probs and version.
+    pieces = runs(sample)
+    assert [ids for is_gen, ids in pieces if is_gen] == generated[:sample.num_turns]
+    assert [is_gen for is_gen, _ in pieces] == [False, True] * sample.num_turns + ([False] if ending != "done" else [])
+    gen = sample.loss_mask.astype(bool)
+    assert np.all(sample.logprobs[gen] == -0.5) and np.all(sample.logprobs[~gen] == 0)
+    assert set(sample.versions[gen].tolist()) == {3} and set(sample.versions[~gen].tolist()) == {-1}
+    # The policy saw the buffer as it grew: each call's tokens are a prefix of the episode's.
+    for seen in policy.seen:
+        assert sample.tokens[:len(seen)].tolist() == seen
+    assert sample.success == (ending == "done")
+
+
+def test_the_tiny_template_renders_role_markers_and_ends_prompts_with_the_observation(tiny_tokenizer):
+    assert tiny_tokenizer.chat_template == TINY_CHAT_TEMPLATE
+    messages = [{"role": "system", "content": "Play."}, {"role": "user", "content": "Say a"},
+                {"role": "assistant", "content": "a"}, {"role": "user", "content": "Say b"}]
+    ids = tiny_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert tiny_tokenizer.decode(ids) == "S: Play.\nU: Say aa\nU: Say b"
+    chat = ChatFormat(tiny_tokenizer)
+    assert chat.assistant_suffix == tiny_tokenizer.encode("\n", add_special_tokens=False)  # the actors' stop
+    assert chat.next_turn(tiny_tokenizer.encode("a\n", add_special_tokens=False), "Say b") == \
+        tiny_tokenizer.encode("U: Say b", add_special_tokens=False)
+
+
+@pytest.mark.parametrize("which", ["tiny", "chatml"])
+def test_a_generation_cut_by_length_gets_the_whole_suffix_as_context(which, tiny_tokenizer):
+    tokenizer = tiny_tokenizer if which == "tiny" else chatml_tokenizer()
+    [letter] = letters_of(0, 1)
+    cut = tokenizer.encode("<action>", add_special_tokens=False)  # no end-of-turn token
+    rest = [(tokenizer.encode(f"<action>{letter}</action>", add_special_tokens=False) + end_of_turn(tokenizer), "stop")]
+    sample, _, setup = episode(tokenizer, [(cut, "length")] + rest, turns=1)
+    pieces = runs(sample)
+    assert pieces[1] == (True, cut)
+    suffix = setup.format.assistant_suffix
+    assert len(suffix) == (2 if which == "chatml" else 1)
+    assert tokenizer.decode(suffix) == ("<|im_end|>\n" if which == "chatml" else "\n")
+    is_gen, context = pieces[2]
+    assert not is_gen and context[:len(suffix)] == suffix  # all of it, mask 0
+    user_turn = f"U: Invalid Action.\n\nSay {letter}" if which == "tiny" else \
+        f"<|im_start|>user\nInvalid Action.\n\nSay {letter}<|im_end|>\n<|im_start|>assistant\n"
+    assert tokenizer.decode(context[len(suffix):]) == user_turn  # the cut text did not parse
+    assert sample.invalid_actions == 1 and sample.finish_reason == "done"
+
+
+def plain_expectation(tokenizer, generated: list[list[int]]) -> list[int]:
+    """Plain text as before chat templates: system text and first observation, then each
+    generation followed by the next observation."""
+    encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731
+    env = make_env("letters", turns=3)
+    tokens = encode("Play.\nWrite your action between <action> and </action>.\n" + env.reset(0))
+    for ids, letter in zip(generated, letters_of(0, 3)):
+        observation = env.step(letter).observation
+        tokens += ids + ([] if env.turn == 3 else encode(observation))
+    return tokens
+
+
+@pytest.mark.parametrize("case", ["chat_template=none", "no template"])
+def test_plain_rendering_without_a_template(case, tiny_tokenizer):
+    tokenizer, chat_template = (tiny_tokenizer, "none") if case == "chat_template=none" else \
+        (build_char_tokenizer(), "auto")
+    generated = [tokenizer.encode(f"<action>{x}</action>\n", add_special_tokens=False) for x in letters_of(0, 3)]
+    sample, _, setup = episode(tokenizer, [(ids, "stop") for ids in generated], chat_template=chat_template)
+    assert isinstance(setup.format, PlainFormat) and sample.finish_reason == "done"
+    assert sample.tokens.tolist() == plain_expectation(tokenizer, generated)
+    assert [ids for is_gen, ids in runs(sample) if is_gen] == generated
+
+
+def test_the_appended_turn_counts_against_the_context_window(tiny_tokenizer):
+    generated = tiny_tokenizer.encode("<action>a</action>\n", add_special_tokens=False)
+    cfg = ActorConfig(max_turns=4, max_tokens=32, max_seq_len=34, system_prompt="", chat_template="auto")
+    setup = EpisodeSetup(LocalEnvClient("letters", turns=3), tiny_tokenizer, cfg, make_template("raw"), "letters")
+    first = setup.format.first_prompt(setup.system, "Say a")
+    next_turn = setup.format.next_turn(generated, "\nSay b")
+    assert len(first) + len(generated) < cfg.max_seq_len <= len(first) + len(generated) + len(next_turn)
+    sample = asyncio.run(run_episode(setup, ScriptedPolicy([(generated, "stop")] * 4), task_idx=0))
+    assert sample.finish_reason == "context" and sample.num_turns == 1
+    assert len(sample.tokens) == len(first) + len(generated)
+
+
+def test_a_template_that_rewrites_earlier_turns_is_refused():
+    tokenizer = build_char_tokenizer()
+    # Renders the conversation newest message first: nothing appends.
+    tokenizer.chat_template = ("{% for message in messages | reverse %}{{ message['role'][0] + ': ' + "
+                               "message['content'] + '\\n' }}{% endfor %}{% if add_generation_prompt %}a: {% endif %}")
+    with pytest.raises(ValueError, match="chat template of tokenizer 'Qwen2Tokenizer'.*actor.chat_template"):
+        make_format(tokenizer, "auto")
+    assert isinstance(make_format(tokenizer, "none"), PlainFormat)
+
+
+def test_stop_sequences_are_found_where_they_end_among_new_tokens_only():
+    from actors.engine import find_stop, stop_sequences
+
+    single, longer = stop_sequences(build_char_tokenizer(), ["\n", "END", "ab"])
+    tok = build_char_tokenizer()
+    assert single == tok.encode("\n", add_special_tokens=False)
+    assert longer == [tok.encode("END", add_special_tokens=False), tok.encode("ab", add_special_tokens=False)]
+    seq = tok.encode("xxENDyyab", add_special_tokens=False)
+    assert find_stop(seq, longer, 0, 0) == 5  # the first match's end
+    assert find_stop(seq, longer, 0, 5) == 9  # "END" was checked before: the next one
+    assert find_stop(seq, longer, 3, 0) == 9  # "END" begins before the turn: not a stop
+    assert find_stop(seq, longer, 0, 9) is None
+    with pytest.raises(ValueError, match="actor.stop entry ''"):
+        stop_sequences(tok, [""])
