@@ -17,6 +17,7 @@ the episode's whole group.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import time
 from typing import Protocol
 
@@ -28,6 +29,7 @@ from actors.templates import INVALID_ACTION, ActionTemplate
 from actors.weights import WeightGate
 from common.config import ActorConfig
 from common.messages import Sample
+from envs.base import StepResult
 from envs.client import EnvClient
 from envs.rewards import Episode, combine
 
@@ -117,6 +119,13 @@ class EpisodeSetup:
         return self.cfg.system_prompt + (instructions + "\n" if instructions else "")
 
 
+def state_key(result: StepResult) -> str:
+    """A short key of the state an env result leaves the agent in (GiGPO's anchor states): the env's
+    own `info["state"]` where it reports one, else the observation (what the agent sees), hashed."""
+    key = result.info.get("state", result.observation) if isinstance(result.info, dict) else result.observation
+    return hashlib.blake2b(str(key).encode(), digest_size=8).hexdigest()
+
+
 async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int) -> Sample:
     cfg, env, spec = setup.cfg, setup.env, setup.env.spec
     started = time.monotonic()
@@ -124,17 +133,20 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int) -> Sam
     buf = TokenBuffer()
     turn_rewards: list[float] = []
     valid: list[bool] = []
+    states: list[str] = []
     finish, done, info = "max_turns", False, {}
     env_id = await env.create()
     try:
         first = await env.reset(env_id, task_idx)
         observation, total = first.observation, first.reward
+        state = state_key(first)
         buf.add_context(setup.format.first_prompt(setup.system, observation))
         for _turn in range(cfg.max_turns):
             budget = min(cfg.max_tokens, cfg.max_seq_len - len(buf))
             if budget <= 0:
                 finish = "context"
                 break
+            states.append(state)
             t0 = time.monotonic()
             turn = await policy.act(buf.tokens, budget, env_id)
             t1 = time.monotonic()
@@ -150,6 +162,7 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int) -> Sam
                 turn_rewards.append(result.reward - total if spec.reward_is_total else result.reward)
                 total = result.reward if spec.reward_is_total else total + result.reward
                 observation, done, info = result.observation, result.done, result.info
+                state = state_key(result)
                 next_text = observation
             env_s += time.monotonic() - t1
             gen_s += t1 - t0
@@ -179,5 +192,6 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int) -> Sam
         env_name=setup.env_name,
         success=episode.success,
         invalid_actions=len(valid) - sum(valid),
+        turn_states=states[:len(turn_rewards)],
         timing={"total_s": time.monotonic() - started, "generate_s": gen_s, "env_s": env_s},
     )

@@ -1,13 +1,15 @@
 """What every benchmark shares: alternating the system's path with its baseline, the median
 and range of a figure and of a ratio, a table row, waiting for a server a benchmark
-started, and the plotting backend."""
+started, one `omrl run` to the end, and the plotting backend."""
 
 from __future__ import annotations
 
 import statistics
 import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 from typing import Callable
 
 
@@ -60,3 +62,17 @@ def wait_http(port: int, proc: subprocess.Popen | None = None, timeout: float = 
         except OSError:
             time.sleep(0.2)
     raise TimeoutError(f"no server on port {port} after {timeout:.0f}s")
+
+
+def omrl_run(root: Path, name: str, sets: list[str], steps: int) -> Path:
+    """`omrl run` to `steps` steps in root/name with these --set overrides, its output in
+    root/name.log; the run directory. A failed run raises with the log's tail."""
+    run_dir = root / name
+    cmd = [sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir), "--steps", str(steps),
+           *[arg for kv in sets for arg in ("--set", kv)]]
+    with open(root / f"{name}.log", "w") as log:
+        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=30 * 60).returncode
+    if code != 0:
+        tail = (root / f"{name}.log").read_text()[-3000:]
+        raise RuntimeError(f"`omrl run` for {name} exited with {code}:\n{tail}")
+    return run_dir

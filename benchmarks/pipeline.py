@@ -27,15 +27,13 @@ from __future__ import annotations
 import collections
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from benchmarks.common import pyplot, row
+from benchmarks.common import omrl_run, pyplot, row
 
 SETTINGS = ["env.name=long_tail", "actor.max_turns=64", "actor.max_seq_len=1024", "run.log_level=WARNING"]
 ETAS = (1, 2, 4, 8)
@@ -70,16 +68,8 @@ def label(eta: int | None) -> str:
 
 def run_system(root: Path, name: str, eta: int | None, actors: int, steps: int, cores: str) -> dict:
     """One `omrl run` to `steps` steps with the processes laid out on `cores`; its figures."""
-    run_dir = root / name
-    sets = [*SETTINGS, *mode(eta), *layout(cores), f"actor.num_actors={actors}"]
-    cmd = [sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir), "--steps", str(steps),
-           *[arg for kv in sets for arg in ("--set", kv)]]
     started = time.monotonic()
-    with open(root / f"{name}.log", "w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=30 * 60).returncode
-    if code != 0:
-        tail = (root / f"{name}.log").read_text()[-3000:]
-        raise RuntimeError(f"`omrl run` for {name} exited with {code}:\n{tail}")
+    run_dir = omrl_run(root, name, [*SETTINGS, *mode(eta), *layout(cores), f"actor.num_actors={actors}"], steps)
     result = figures(run_dir)
     result.update(eta=eta, mode=label(eta), actors=actors, cores=cores, wall_s=time.monotonic() - started)
     print(f"pipeline {name:<24} groups/s {result['groups_per_s']:6.2f}  learner busy {result['learner_busy']:.2f} "

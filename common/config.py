@@ -176,9 +176,43 @@ class LearnerConfig(Section):
     """Publish a new weight version every k steps."""
     keep_versions: int = Field(3, ge=1)
     """Weight versions whose bytes are kept (blob transport: in Redis or weights.dir)."""
-    algorithm: Literal["grpo", "drgrpo", "rloo", "reinforce"] = "grpo"
-    """Advantage estimator (learner/algorithms.py): grpo (mean/std per group), drgrpo (mean only),
-    rloo (leave-one-out mean of the group), reinforce (the batch's mean reward as baseline)."""
+    algorithm: Literal["grpo", "drgrpo", "rloo", "reinforce", "gigpo", "ppo"] = "grpo"
+    """Advantage estimator (learner/algorithms.py): grpo (mean/std per group), drgrpo (mean only, and
+    the loss a token sum over a constant), rloo (leave-one-out mean of the group), reinforce (the
+    batch's mean reward as baseline), gigpo (grpo plus step-level advantages over the group's turns
+    taken in the same state), ppo (a critic: a value head on the policy, GAE or V-trace)."""
+    loss: Literal["decoupled", "naive"] = "decoupled"
+    """decoupled: PPO's ratio against the learner's own weights before the update (proximal), the
+    behaviour policy's tokens weighted by min(exp(lp - lb), behav_weight_cap) (ARCHITECTURE.md);
+    naive: PPO's ratio against the behaviour log-probs, as if the data were fresh (for comparison)."""
+    gamma: float = Field(1.0, ge=0, le=1)
+    """Discount per generated token (ppo) or per turn (gigpo's step returns)."""
+    gae_lambda: float = Field(1.0, ge=0, le=1)
+    """ppo: GAE's lambda, and V-trace's."""
+    critic_targets: Literal["auto", "gae", "vtrace"] = "auto"
+    """ppo: the critic's targets and the advantages: GAE, V-trace (truncated importance weights of
+    the learner's policy over the behaviour one), or auto: GAE for samples all of whose tokens come
+    from the learner's current version, V-trace for stale ones."""
+    vtrace_rho_bar: float = Field(1.0, gt=0)
+    """ppo, V-trace: the cap on the importance weight of each step's TD error."""
+    vtrace_c_bar: float = Field(1.0, gt=0)
+    """ppo, V-trace: the cap on the traces' importance weights."""
+    critic_lr: float | None = Field(None, gt=0)
+    """ppo: the value head's learning rate (unset: learner.lr)."""
+    vf_coef: float = Field(0.5, ge=0)
+    """ppo: weight of the value loss."""
+    vf_clip: float | None = Field(0.2, gt=0)
+    """ppo: the value moves at most this far from its value before the update (clipped value loss;
+    None: unclipped)."""
+    gigpo_step_weight: float = Field(1.0, ge=0)
+    """gigpo: weight of the step-level advantages added to the episode-level ones."""
+    kl_coef: float = Field(0.0, ge=0)
+    """Weight of a KL penalty to the frozen starting model (0: off, no reference kept)."""
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    """The per-token KL estimator: k1 (log ratio) or k3 (exp(-k1) - 1 + k1, never negative)."""
+    token_sum_norm: int | None = Field(None, ge=1)
+    """drgrpo: each sample's token sum is divided by this constant (Dr.GRPO), not by the token count
+    (unset: actor.max_tokens x actor.max_turns, the longest an episode can generate)."""
     clip_eps_low: float = Field(0.2, gt=0, lt=1)
     """PPO clip range below 1."""
     clip_eps_high: float = Field(0.2, gt=0)
@@ -330,6 +364,8 @@ class Config(Section):
         if self.actor.max_model_len is not None and self.actor.max_model_len < self.actor.max_seq_len:
             raise ValueError("actor.max_model_len must be at least actor.max_seq_len (an episode's context): raise "
                              "max_model_len or lower max_seq_len")
+        if self.learner.algorithm == "drgrpo" and self.learner.token_sum_norm is None:
+            self.learner.token_sum_norm = self.actor.max_tokens * self.actor.max_turns
         if self.actor.max_tokens >= self.actor.max_seq_len:
             raise ValueError("actor.max_tokens must be below actor.max_seq_len: raise max_seq_len or lower max_tokens")
         return self

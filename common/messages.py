@@ -21,7 +21,7 @@ import msgpack
 import numpy as np
 
 KIND_ROLLOUT_GROUP = "rollout_group"
-SCHEMA_VERSION = 2  # 2: samples carry success and invalid_actions
+SCHEMA_VERSION = 3  # 2: samples carry success and invalid_actions; 3: turn_states
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 
 # Per-token arrays of a sample, with the dtype they travel as.
@@ -68,6 +68,9 @@ class Sample:
     env_name: str
     success: bool = False  # the env's success rule (envs.specs)
     invalid_actions: int = 0  # turns whose action did not parse
+    turn_states: list[str] = dataclasses.field(default_factory=list)
+    """A key of the env state each turn acted in (GiGPO's anchors): equal keys, equal states. One
+    per turn, or none where unknown."""
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
@@ -115,6 +118,7 @@ def _sample_to_dict(sample: Sample) -> dict[str, Any]:
         env_name=sample.env_name,
         success=bool(sample.success),
         invalid_actions=int(sample.invalid_actions),
+        turn_states=[str(k) for k in sample.turn_states],
         timing={k: float(v) for k, v in sample.timing.items()},
     )
     return out
@@ -190,6 +194,9 @@ def _decode_sample(obj: Any, where: str) -> Sample:
     if num_turns != turn_rewards.shape[0]:
         raise CodecError(f"{where}: num_turns={num_turns} but {turn_rewards.shape[0]} turn rewards")
     reward = float(_field(obj, "reward", (int, float), where))
+    turn_states = _field(obj, "turn_states", (list,), where)
+    if turn_states and (len(turn_states) != num_turns or not all(type(k) is str for k in turn_states)):
+        raise CodecError(f"{where}.turn_states: expected {num_turns} strings (one per turn) or none")
     # Bad numbers never reach the weights: a NaN or infinite log-prob or reward poisons a step.
     for name, finite in (("logprobs", np.isfinite(arrays["logprobs"]).all()),
                          ("turn_rewards", np.isfinite(turn_rewards).all()), ("reward", math.isfinite(reward))):
@@ -205,6 +212,7 @@ def _decode_sample(obj: Any, where: str) -> Sample:
         env_name=_field(obj, "env_name", (str,), where),
         success=_field(obj, "success", (bool,), where),
         invalid_actions=_field(obj, "invalid_actions", (int,), where),
+        turn_states=turn_states,
         timing=dict(_field(obj, "timing", (dict,), where)),
     )
 

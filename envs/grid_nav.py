@@ -80,10 +80,14 @@ class GridNavEnv(Env):
         if self.pos == self.goal:
             self.done, self.last = True, "="
             reward = max(0.1, 1.0 - self.penalty * (self.turn - self.shortest))
-            return StepResult(self.last, reward, True, {"success": True})
+            return StepResult(self.last, reward, True, {"success": True, "state": self._state()})
         self.done = self.turn >= self.turns
         self.last = ("#" if bumped else "") + self._describe()
-        return StepResult(self.last, 0.0, self.done, {"success": False})
+        return StepResult(self.last, 0.0, self.done, {"success": False, "state": self._state()})
+
+    def _state(self) -> str:
+        """The agent's cell, GiGPO's anchor key (`info["state"]`): the task fixes goal and walls."""
+        return f"{self.pos[0]},{self.pos[1]}"
 
     def observation(self) -> str:
         return self.last

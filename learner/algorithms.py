@@ -6,6 +6,7 @@ Shapes: N samples, T tokens. `loss_mask` is 1 on generated tokens.
 from __future__ import annotations
 
 import dataclasses
+import statistics
 from typing import Callable
 
 import torch
@@ -23,6 +24,8 @@ class Estimator:
 
 
 ESTIMATORS: dict[str, Estimator] = {}
+CRITIC_ALGORITHMS = ("ppo",)
+"""learner.algorithm values whose advantages come from the critic (GAE or V-trace), in the trainer."""
 
 
 def estimator(name: str, group_relative: bool = True):
@@ -77,6 +80,101 @@ def advantages(algorithm: str, rewards: list[torch.Tensor]) -> tuple[list[torch.
         return list(flat.split([len(r) for r in rewards])), [True] * len(rewards)
     signal = [bool(has_signal(r.unsqueeze(0))[0]) for r in rewards]
     return [est.advantages(r.unsqueeze(0))[0] if sig else torch.zeros_like(r) for r, sig in zip(rewards, signal)], signal
+
+
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float
+        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Generalised advantage estimation (Schulman et al. 2016) over each row's masked positions.
+
+    rewards, values, mask (N, T): the steps of a row are its positions with mask 1, in order
+    (the context between an agent's turns is skipped); the value after a row's last step is 0.
+    delta_t = r_t + gamma V_{t+1} - V_t, A_t = delta_t + gamma lam A_{t+1}; returns A and the
+    value targets A + V, both 0 off the mask."""
+    N, T = rewards.shape
+    adv = torch.zeros_like(rewards)
+    next_value = torch.zeros(N, dtype=rewards.dtype, device=rewards.device)
+    next_adv = torch.zeros_like(next_value)
+    for t in range(T - 1, -1, -1):
+        m = mask[:, t] > 0
+        delta = rewards[:, t] + gamma * next_value - values[:, t]
+        a = delta + gamma * lam * next_adv
+        adv[:, t] = torch.where(m, a, 0.0)
+        next_adv = torch.where(m, a, next_adv)
+        next_value = torch.where(m, values[:, t], next_value)
+    return adv, (adv + values) * (mask > 0)
+
+
+def vtrace(rewards: torch.Tensor, values: torch.Tensor, log_rhos: torch.Tensor, mask: torch.Tensor, gamma: float,
+           lam: float = 1.0, rho_bar: float = 1.0, c_bar: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """V-trace targets (Espeholt et al. 2018, IMPALA) for data a behaviour policy mu sampled.
+
+    log_rhos (N, T): log pi/mu per step; steps as in `gae`. rho_t = min(rho_bar, pi/mu),
+    c_t = lam min(c_bar, pi/mu); v_t - V_t = rho_t delta_t + gamma c_t (v_{t+1} - V_{t+1}) with
+    delta_t = r_t + gamma V_{t+1} - V_t. Returns the policy-gradient advantage q_t - V_t, with
+    q_t = r_t + gamma v_{t+1}, and the value targets v_t. IMPALA multiplies the advantage by
+    rho_t; the loss applies its own behaviour weight (or ratio, naive), so it is left out here."""
+    N, T = rewards.shape
+    ratio = torch.exp(log_rhos)
+    vs = torch.zeros_like(values)
+    adv = torch.zeros_like(values)
+    zeros = torch.zeros(N, dtype=values.dtype, device=values.device)
+    next_value, next_vs, next_acc = zeros, zeros, zeros
+    for t in range(T - 1, -1, -1):
+        m = mask[:, t] > 0
+        rho, c = ratio[:, t].clamp(max=rho_bar), lam * ratio[:, t].clamp(max=c_bar)
+        acc = rho * (rewards[:, t] + gamma * next_value - values[:, t]) + gamma * c * next_acc
+        v_t = values[:, t] + acc
+        adv[:, t] = torch.where(m, rewards[:, t] + gamma * next_vs - values[:, t], 0.0)
+        vs[:, t] = torch.where(m, v_t, 0.0)
+        next_acc = torch.where(m, acc, next_acc)
+        next_vs = torch.where(m, v_t, next_vs)
+        next_value = torch.where(m, values[:, t], next_value)
+    return adv, vs
+
+
+def gigpo_step_advantages(turn_returns: list[list[float]], turn_states: list[list[str]],
+                          scale_by_std: bool = True) -> list[list[float]]:
+    """GiGPO's step-level advantages (Feng et al. 2025, verl-agent) for one group's episodes.
+
+    turn_returns[i][k]: the discounted return of episode i from turn k on; turn_states[i][k]: the
+    env's key of the state turn k acted in. Turns of the group that acted in the same state form an
+    anchor group; a turn's advantage is its return against its anchor group's: (G - mean) / (std +
+    eps), std the unbiased one (0 for an anchor group of one turn, or of equal returns)."""
+    anchors: dict[str, list[float]] = {}
+    for returns, states in zip(turn_returns, turn_states):
+        for g, key in zip(returns, states):
+            anchors.setdefault(key, []).append(g)
+
+    def advantage(g: float, key: str) -> float:
+        others = anchors[key]
+        centered = g - statistics.fmean(others)
+        if not scale_by_std:
+            return centered
+        return centered / ((statistics.stdev(others) if len(others) > 1 else 0.0) + EPS)
+
+    return [[advantage(g, key) for g, key in zip(returns, states)]
+            for returns, states in zip(turn_returns, turn_states)]
+
+
+def discounted_returns(rewards: list[float], gamma: float) -> list[float]:
+    """G_k = r_k + gamma G_{k+1} for one episode's turn rewards."""
+    out, g = [0.0] * len(rewards), 0.0
+    for k in range(len(rewards) - 1, -1, -1):
+        g = rewards[k] + gamma * g
+        out[k] = g
+    return out
+
+
+def kl_penalty(cur_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from tokens pi sampled (Schulman's k1 and k3):
+    k1 = log pi - log pi_ref (unbiased, may be negative); k3 = exp(-k1) - 1 + k1 (unbiased under pi
+    sampling, never negative, lower variance)."""
+    log_ratio = cur_logprobs - ref_logprobs
+    if kind == "k1":
+        return log_ratio
+    if kind == "k3":
+        return torch.exp(-log_ratio) - 1 + log_ratio
+    raise ValueError(f"unknown KL estimator {kind!r}: choose k1 or k3 (learner.kl_estimator)")
 
 
 def has_signal(rewards: torch.Tensor) -> torch.Tensor:
@@ -136,6 +234,17 @@ def policy_loss(cur_logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_l
             "clipped": ((unclipped != objective) & (kept > 0)).float().sum(), "ratio": (ratio * kept).sum(),
         }
     return loss, stats
+
+
+def value_loss(values: torch.Tensor, returns: torch.Tensor, old_values: torch.Tensor, mask: torch.Tensor,
+               clip: float | None) -> torch.Tensor:
+    """PPO's clipped value loss, summed over the mask: 0.5 max((V - R)^2, (V_clip - R)^2) with
+    V_clip = V_old + clip(V - V_old, -clip, clip) (0.5 (V - R)^2 when `clip` is None)."""
+    loss = (values - returns) ** 2
+    if clip is not None:
+        clipped = old_values + (values - old_values).clamp(-clip, clip)
+        loss = torch.maximum(loss, (clipped - returns) ** 2)
+    return 0.5 * (loss * mask).sum()
 
 
 def add_stats(total: dict[str, torch.Tensor], stats: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

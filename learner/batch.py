@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from common.messages import RolloutGroup
+from learner.algorithms import CRITIC_ALGORITHMS, discounted_returns, gigpo_step_advantages
 from learner.algorithms import advantages as estimate
 
 
@@ -20,12 +21,17 @@ class Batch:
     loss_mask: torch.Tensor  # (N, T) float, 1 on generated tokens of groups with signal
     generated_mask: torch.Tensor  # (N, T) float, 1 on every generated token
     behav_logprobs: torch.Tensor  # (N, T)
-    advantages: torch.Tensor  # (N,)
+    advantages: torch.Tensor  # (N, T) per token (0 off the generated tokens); the critic's fill them in training
+    token_rewards: torch.Tensor  # (N, T) each turn's reward on its last generated token (the critic's rewards)
+    stale: torch.Tensor  # (N,) bool: some token of the sample came from an older weight version than the learner's
     temperature: torch.Tensor  # (N,) the temperature each sample was drawn at
     rewards: np.ndarray  # (N,)
     group_signal: np.ndarray  # (n_groups,) bool
     num_groups: int
     prox_logprobs: torch.Tensor | None = None  # (N, T), filled by the trainer when it needs them
+    old_values: torch.Tensor | None = None  # (N, T) the critic's values before the update
+    returns: torch.Tensor | None = None  # (N, T) the critic's targets
+    ref_logprobs: torch.Tensor | None = None  # (N, T) the reference policy's, for the KL penalty
 
     @property
     def num_trained_tokens(self) -> int:
@@ -42,12 +48,13 @@ class Batch:
         gen = self.generated_mask[sel, :T]
         rows = gen.nonzero()  # (M, 2): (sample in the micro-batch, t), generated tokens only
         at = (sel[rows[:, 0]], rows[:, 1])
-        prox = self.prox_logprobs[at] if self.prox_logprobs is not None else None
-        to = lambda x: None if x is None else x.to(device, non_blocking=True)  # noqa: E731
+        pick = lambda x: None if x is None else x[at].to(device, non_blocking=True)  # noqa: E731
+        to = lambda x: x.to(device, non_blocking=True)  # noqa: E731
         return MicroBatch(tokens=to(self.tokens[sel, :T]), attention_mask=to(self.attention_mask[sel, :T]),
-                          rows=to(rows), temperature=to(self.temperature[at[0]]), loss_mask=to(self.loss_mask[at]),
-                          behav_logprobs=to(self.behav_logprobs[at]), advantages=to(self.advantages[at[0]]),
-                          prox_logprobs=to(prox), cpu_rows=at)
+                          rows=to(rows), temperature=to(self.temperature[at[0]]), loss_mask=pick(self.loss_mask),
+                          behav_logprobs=pick(self.behav_logprobs), advantages=pick(self.advantages),
+                          prox_logprobs=pick(self.prox_logprobs), old_values=pick(self.old_values),
+                          returns=pick(self.returns), ref_logprobs=pick(self.ref_logprobs), cpu_rows=at)
 
 
 @dataclasses.dataclass
@@ -62,12 +69,18 @@ class MicroBatch:
     behav_logprobs: torch.Tensor  # (M,)
     advantages: torch.Tensor  # (M,)
     prox_logprobs: torch.Tensor | None  # (M,)
+    old_values: torch.Tensor | None  # (M,)
+    returns: torch.Tensor | None  # (M,)
+    ref_logprobs: torch.Tensor | None  # (M,)
     cpu_rows: tuple[torch.Tensor, torch.Tensor]  # the rows as indices into the Batch's (N, T) tensors
 
 
-def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0) -> Batch:
-    """Padded tensors of the groups' samples, with each sample's advantage by `algorithm`
-    (learner.algorithm); samples of groups without signal get loss mask 0."""
+def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0, version: int | None = None,
+            gamma: float = 1.0, step_weight: float = 1.0) -> Batch:
+    """Padded tensors of the groups' samples, with each token's advantage by `algorithm`
+    (learner.algorithm); samples of groups without signal get loss mask 0. `version`: the
+    learner's, to mark stale samples; `gamma`, `step_weight`: GiGPO's discount and weight of
+    its step-level advantages. With a critic (ppo) the advantages are left at 0 for the trainer."""
     samples = [s for g in groups for s in g.samples]
     T = max(len(s.tokens) for s in samples)
     N = len(samples)
@@ -76,9 +89,20 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
     loss_mask = torch.zeros((N, T), dtype=torch.float32)
     generated = torch.zeros((N, T), dtype=torch.float32)
     behav = torch.zeros((N, T), dtype=torch.float32)
-    advantages, signal = estimate(algorithm, [torch.from_numpy(g.rewards) for g in groups])
+    token_rewards = torch.zeros((N, T), dtype=torch.float32)
+    advantages = torch.zeros((N, T), dtype=torch.float32)
+    if algorithm in CRITIC_ALGORITHMS:
+        episode_adv, signal = [torch.zeros(len(g.samples)) for g in groups], [True] * len(groups)
+    else:
+        episode_adv, signal = estimate("grpo" if algorithm == "gigpo" else algorithm,
+                                       [torch.from_numpy(g.rewards) for g in groups])
+    step_adv = [gigpo_steps(g, gamma) if algorithm == "gigpo" else [None] * len(g.samples) for g in groups]
+    if algorithm == "gigpo":  # a group of equal episode rewards may still differ step by step
+        signal = [sig or any(any(a) for a in steps) for sig, steps in zip(signal, step_adv)]
     sample_signal = [sig for g, sig in zip(groups, signal) for _ in g.samples]
-    for i, (s, sig) in enumerate(zip(samples, sample_signal)):
+    sample_adv = [float(a) for adv in episode_adv for a in adv]
+    sample_steps = [steps for group_steps in step_adv for steps in group_steps]
+    for i, (s, sig, adv, steps) in enumerate(zip(samples, sample_signal, sample_adv, sample_steps)):
         n = len(s.tokens)
         tokens[i, :n] = torch.from_numpy(s.tokens.astype(np.int64))
         attention[i, :n] = 1
@@ -86,13 +110,51 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
         if sig:
             loss_mask[i, :n] = generated[i, :n]
         behav[i, :n] = torch.from_numpy(s.logprobs.copy())
+        turns = turn_spans(s.loss_mask)
+        advantages[i, :n] = adv * generated[i, :n]
+        if steps is not None and len(turns) == len(steps):
+            for (a, b), step in zip(turns, steps):
+                advantages[i, a:b] += step_weight * step
+        for (a, b), r in zip(turns, turn_reward_split(s, len(turns))):
+            token_rewards[i, b - 1] += r
     generated[:, 0] = 0  # the first token has no prediction: always context
     loss_mask[:, 0] = 0
+    advantages[:, 0] = 0
     # Greedy decoding (0) is scored as temperature 1: its log-probs are those of the raw logits.
     temperature = torch.tensor([float(g.sampling.get("temperature", 1.0)) or 1.0
                                 for g in groups for _ in g.samples], dtype=torch.float32)
-    return Batch(tokens, attention, loss_mask, generated, behav, torch.cat(advantages).float(), temperature,
+    stale = torch.tensor([version is not None and bool(s.loss_mask.any()) and int(s.versions[s.loss_mask > 0].min()) < version
+                          for s in samples])
+    return Batch(tokens, attention, loss_mask, generated, behav, advantages, token_rewards, stale, temperature,
                  np.array([s.reward for s in samples], np.float32), np.array(signal), len(groups))
+
+
+def turn_spans(loss_mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of generated tokens: an agent's turns, in order."""
+    m = np.concatenate([[0], loss_mask.astype(np.int8), [0]])
+    edges = np.flatnonzero(np.diff(m))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+
+
+def turn_reward_split(sample, turns: int) -> list[float]:
+    """The sample's reward as rewards on its `turns` turns: each turn's env reward on its turn, and
+    what the reward functions add beyond their sum (or all of it, when the turns cannot be told
+    apart) on the last. They sum to the sample's reward."""
+    if not turns:
+        return []
+    per_turn = [float(r) for r in sample.turn_rewards] if len(sample.turn_rewards) == turns else [0.0] * turns
+    per_turn[-1] += float(sample.reward) - sum(per_turn)
+    return per_turn
+
+
+def gigpo_steps(group: RolloutGroup, gamma: float) -> list[list[float] | None]:
+    """GiGPO's step-level advantages of a group's samples, a list per sample (None: its turns or
+    states are unknown, and it has episode-level advantages only)."""
+    known = [s if len(s.turn_states) == s.num_turns == len(turn_spans(s.loss_mask)) else None for s in group.samples]
+    kept = [s for s in known if s is not None]
+    steps = iter(gigpo_step_advantages([discounted_returns(turn_reward_split(s, s.num_turns), gamma) for s in kept],
+                                       [s.turn_states for s in kept]))
+    return [next(steps) if s is not None else None for s in known]
 
 
 def split_by_tokens(idx: list[int], lengths: np.ndarray, parts: int) -> list[list[int]]:

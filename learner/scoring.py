@@ -103,21 +103,32 @@ class PolicyScorer(torch.nn.Module):
     its forward, where FSDP2 has it unsharded.
     """
 
-    def __init__(self, lm: torch.nn.Module, vocab_chunk: int = 8192):
+    def __init__(self, lm: torch.nn.Module, vocab_chunk: int = 8192, value_head: bool = False):
         super().__init__()
         head = lm.get_output_embeddings()
         if head is None or getattr(head, "bias", None) is not None:
             raise ValueError(f"{type(lm).__name__}: the learner needs an output layer without bias")
         self.lm, self.vocab_chunk = lm, vocab_chunk
+        # The critic (learner.algorithm = "ppo"): a linear value of the state each token is sampled in,
+        # on the policy's last hidden state. Zero at first, so the first advantages are the returns.
+        self.value_head = None
+        if value_head:
+            self.value_head = torch.nn.Linear(lm.config.hidden_size, 1)
+            torch.nn.init.zeros_(self.value_head.weight)
+            torch.nn.init.zeros_(self.value_head.bias)
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
-                temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """tokens, attention_mask (N, T); rows (M, 2) of (sample, t) with t >= 1: score tokens[n, t]
-        given tokens[n, :t]; temperature (M,). Returns logp, entropy (M,) fp32."""
+        given tokens[n, :t]; temperature (M,). Returns logp, entropy and, with a value head, the
+        value of the state before each token (else None), all (M,) fp32."""
         hidden = self.lm.get_decoder()(input_ids=tokens, attention_mask=attention_mask).last_hidden_state  # (N, T, H)
         picked = hidden[rows[:, 0], rows[:, 1] - 1]  # (M, H): the position before each scored token
         targets = tokens[rows[:, 0], rows[:, 1]]
-        return head_logprobs(picked, self.lm.get_output_embeddings().weight, targets, temperature, self.vocab_chunk)
+        logp, entropy = head_logprobs(picked, self.lm.get_output_embeddings().weight, targets, temperature,
+                                      self.vocab_chunk)
+        values = None if self.value_head is None else self.value_head(picked).float().squeeze(-1)
+        return logp, entropy, values
 
 
 def plain_logprobs(lm: torch.nn.Module, tokens: torch.Tensor, rows: torch.Tensor, temperature: torch.Tensor

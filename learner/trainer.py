@@ -6,10 +6,14 @@ one forward of the whole minibatch on one process.
 
 Proximal log-probs are computed once, before the first update, when there are several
 updates per batch; with one (the default) they equal the current ones and are not computed.
+The same pass gives the critic's values (learner.algorithm = "ppo"), from which the trainer
+computes GAE or V-trace advantages and value targets, and a frozen reference model's
+log-probs when the loss has a KL penalty (learner.kl_coef).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Iterable, Iterator
 
@@ -19,7 +23,8 @@ from safetensors.torch import save as save_safetensors
 from common.config import LearnerConfig
 from common.timing import Timer
 from common.weight_sync import Packed, pack
-from learner.algorithms import LossConfig, add_stats, loss_metrics, policy_loss
+from learner.algorithms import (CRITIC_ALGORITHMS, LossConfig, add_stats, gae, kl_penalty, loss_metrics, policy_loss,
+                                value_loss, vtrace)
 from learner.batch import Batch, MicroBatch, plan
 from learner.distributed import Single, resolve_device
 from learner.scoring import PolicyScorer
@@ -28,7 +33,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "lm."  # the scorer's name for the causal LM inside it
 STATS = ("tokens", "kept", "w", "w2", "kl", "truncated", "rejected", "clipped", "ratio", "loss", "entropy",
-         "generated")  # summed over micro-batches, updates and ranks
+         "generated", "value_loss", "kl_ref")  # summed over micro-batches, updates and ranks
 
 
 class Trainer:
@@ -40,8 +45,17 @@ class Trainer:
         if cfg.gradient_checkpointing:
             model.config.use_cache = False
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        self.scorer = self.parallel.wrap(PolicyScorer(model, cfg.vocab_chunk))
-        self.optimizer = torch.optim.AdamW(self.scorer.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+        self.critic = cfg.algorithm in CRITIC_ALGORITHMS
+        self.reference: PolicyScorer | None = None  # the frozen starting policy, for the KL penalty
+        if cfg.kl_coef > 0:
+            self.reference = PolicyScorer(copy.deepcopy(model).eval().requires_grad_(False), cfg.vocab_chunk)
+        self.scorer = self.parallel.wrap(PolicyScorer(model, cfg.vocab_chunk, value_head=self.critic).to(self.device))
+        named = list(self.scorer.named_parameters())
+        policy = [p for n, p in named if "value_head." not in n]
+        head = [p for n, p in named if "value_head." in n]
+        self.optimizer = torch.optim.AdamW([{"params": policy}] + ([{"params": head, "lr": cfg.critic_lr or cfg.lr}]
+                                                                    if head else []),
+                                           lr=cfg.lr, weight_decay=cfg.weight_decay)
         self.loss_cfg = LossConfig(cfg.clip_eps_low, cfg.clip_eps_high, cfg.behav_weight_cap, cfg.behav_reject,
                                    cfg.dual_clip)
         self.timer = Timer()
@@ -50,9 +64,10 @@ class Trainer:
     def _autocast(self):
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
 
-    def _score(self, mb: MicroBatch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _score(self, mb: MicroBatch, scorer: torch.nn.Module | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         with self._autocast():
-            return self.scorer(mb.tokens, mb.attention_mask, mb.rows, mb.temperature)  # (M,) each
+            return (scorer or self.scorer)(mb.tokens, mb.attention_mask, mb.rows, mb.temperature)  # (M,) each
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         cfg, rank = self.cfg, self.parallel.rank
@@ -61,9 +76,12 @@ class Trainer:
         self.scorer.train()
         steps = plan(batch, cfg.minibatches, self.parallel.world, cfg.max_tokens_per_microbatch)
         updates = cfg.ppo_epochs * len(steps.minibatches)
-        if updates > 1:
+        mine = [micro for mb in steps.minibatches for micro in mb[rank]]
+        if updates > 1 or self.critic or self.reference is not None:
             with self.timer("proximal"):
-                self._proximal(batch, [micro for mb in steps.minibatches for micro in mb[rank]])
+                self._before_update(batch, mine, policy=updates > 1 or self.critic)
+        if self.critic:
+            self._critic_advantages(batch, mine)
         totals: dict[str, torch.Tensor] = {}
         grad_norms = []
         for _ in range(cfg.ppo_epochs):
@@ -75,6 +93,10 @@ class Trainer:
         summed = self.parallel.all_reduce(torch.tensor([float(totals.get(k, 0.0)) for k in STATS], dtype=torch.float64))
         summed = dict(zip(STATS, summed.tolist()))
         metrics = {f"learner/{k}": v for k, v in loss_metrics(summed).items()}
+        if self.critic:
+            metrics["learner/loss/value"] = summed["value_loss"] / updates
+        if self.reference is not None:
+            metrics["learner/kl_ref"] = summed["kl_ref"] / updates
         metrics.update({
             "learner/loss/policy": summed["loss"] / updates,
             "learner/entropy": summed["entropy"] / max(summed["generated"], 1.0),
@@ -88,19 +110,60 @@ class Trainer:
         return metrics
 
     @torch.no_grad()
-    def _proximal(self, batch: Batch, micros: list[list[int]]) -> None:
-        """The log-probs of the weights before the first update, for this rank's samples."""
-        batch.prox_logprobs = torch.zeros_like(batch.behav_logprobs)
+    def _before_update(self, batch: Batch, micros: list[list[int]], policy: bool) -> None:
+        """For this rank's samples: the log-probs (and values) of the weights before the first
+        update (`policy`), and the reference policy's log-probs."""
+        zeros = lambda: torch.zeros_like(batch.behav_logprobs)  # noqa: E731
+        if policy:
+            batch.prox_logprobs = zeros()
+            batch.old_values = zeros() if self.critic else None
+        if self.reference is not None:
+            batch.ref_logprobs = zeros()
         for idx in micros:
-            if idx:
-                mb = batch.micro(idx, self.device)
-                batch.prox_logprobs[mb.cpu_rows] = self._score(mb)[0].float().cpu()
+            if not idx:  # an idle pass: the other ranks' forwards are collectives
+                if policy:
+                    self._idle_loss()
+                continue
+            mb = batch.micro(idx, self.device)
+            if policy:
+                logp, _, values = self._score(mb)
+                batch.prox_logprobs[mb.cpu_rows] = logp.float().cpu()
+                if values is not None:
+                    batch.old_values[mb.cpu_rows] = values.float().cpu()
+            if self.reference is not None:
+                batch.ref_logprobs[mb.cpu_rows] = self._score(mb, self.reference)[0].float().cpu()
+
+    def _critic_advantages(self, batch: Batch, micros: list[list[int]]) -> None:
+        """GAE or V-trace advantages and value targets for this rank's samples, from the values
+        before the update; the advantages are then whitened over every rank's trained tokens."""
+        cfg = self.cfg
+        mask = torch.zeros_like(batch.loss_mask)
+        mine = sorted({i for idx in micros for i in idx})
+        mask[mine] = batch.loss_mask[mine]
+        adv, returns = gae(batch.token_rewards, batch.old_values, mask, cfg.gamma, cfg.gae_lambda)
+        use_vtrace = {"gae": torch.zeros_like(batch.stale), "vtrace": torch.ones_like(batch.stale),
+                      "auto": batch.stale}[cfg.critic_targets]
+        if bool(use_vtrace[mine].any()):
+            log_rhos = (batch.prox_logprobs - batch.behav_logprobs) * mask
+            adv_v, returns_v = vtrace(batch.token_rewards, batch.old_values, log_rhos, mask, cfg.gamma,
+                                      cfg.gae_lambda, cfg.vtrace_rho_bar, cfg.vtrace_c_bar)
+            adv = torch.where(use_vtrace[:, None], adv_v, adv)
+            returns = torch.where(use_vtrace[:, None], returns_v, returns)
+        total, squares, count = self.parallel.all_reduce(torch.tensor(
+            [float((adv * mask).sum()), float((adv ** 2 * mask).sum()), float(mask.sum())], dtype=torch.float64)).tolist()
+        mean = total / max(count, 1.0)
+        std = max(squares / max(count, 1.0) - mean ** 2, 0.0) ** 0.5
+        batch.advantages = (adv - mean) / (std + 1e-6) * mask
+        batch.returns = returns
 
     def _update(self, batch: Batch, minibatch: list[list[list[int]]]) -> tuple[dict[str, torch.Tensor], float]:
         """One optimizer step on a minibatch (every rank's micro-batches); returns this rank's
         summed stats and the global gradient norm."""
         every = [i for micros in minibatch for idx in micros for i in idx]
         n_train = batch.loss_mask[every].sum().clamp(min=1.0).item()
+        # Dr.GRPO: each sample's token sum over a constant, so long and short answers weigh alike per token.
+        n_policy = len(every) * self.cfg.token_sum_norm if self.cfg.algorithm == "drgrpo" and self.cfg.token_sum_norm \
+            else n_train
         n_gen = batch.generated_mask[every].sum().clamp(min=1.0).item()
         # DDP and FSDP2 average gradients over ranks; the loss is a sum over the whole minibatch.
         scale = float(self.parallel.world)
@@ -109,7 +172,7 @@ class Trainer:
         for j, idx in enumerate(micros):
             with self.parallel.no_grad_sync(self.scorer, skip=j < len(micros) - 1):
                 with self.timer("forward"):
-                    loss, mb_stats = self._micro_loss(batch, idx, n_train, n_gen)
+                    loss, mb_stats = self._micro_loss(batch, idx, n_train, n_policy, n_gen)
                 with self.timer("backward"):
                     (loss * scale).backward()
             stats = add_stats(stats, mb_stats)
@@ -130,27 +193,41 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         return stats, float(grad_norm)
 
-    def _micro_loss(self, batch: Batch, idx: list[int], n_train: float, n_gen: float
+    def _micro_loss(self, batch: Batch, idx: list[int], n_train: float, n_policy: float, n_gen: float
                     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """n_train: the minibatch's trained tokens (the value and KL terms' denominator); n_policy:
+        the policy term's (the same, but for Dr.GRPO); n_gen: its generated tokens (the entropy's)."""
         if not idx:  # this rank's idle pass: the collectives of a forward and backward, no gradient
             return self._idle_loss(), {}
+        cfg = self.cfg
         mb = batch.micro(idx, self.device)
-        cur, entropy = self._score(mb)  # (M,) each
-        prox = mb.prox_logprobs if mb.prox_logprobs is not None else cur.detach()
+        cur, entropy, values = self._score(mb)  # (M,) each
+        if cfg.loss == "naive":  # the behaviour policy as the proximal one: no correction for staleness
+            prox = mb.behav_logprobs
+        else:
+            prox = mb.prox_logprobs if mb.prox_logprobs is not None else cur.detach()
         pg_loss, stats = policy_loss(cur, prox, mb.behav_logprobs, mb.advantages, mb.loss_mask, self.loss_cfg,
-                                     norm_tokens=n_train)
+                                     norm_tokens=n_policy)
         # Over every generated token, groups without signal included: that is where a
         # collapsed (deterministic) policy needs the push back towards exploring.
-        loss = pg_loss - self.cfg.entropy_coef * entropy.sum() / n_gen
+        loss = pg_loss - cfg.entropy_coef * entropy.sum() / n_gen
         stats.update(loss=pg_loss.detach(), entropy=entropy.detach().sum(), generated=torch.tensor(float(len(cur))))
+        if values is not None:
+            v_loss = value_loss(values, mb.returns, mb.old_values, mb.loss_mask, cfg.vf_clip) / n_train
+            loss = loss + cfg.vf_coef * v_loss
+            stats["value_loss"] = v_loss.detach()
+        if mb.ref_logprobs is not None:
+            kl = (kl_penalty(cur, mb.ref_logprobs, cfg.kl_estimator) * mb.loss_mask).sum() / n_train
+            loss = loss + cfg.kl_coef * kl
+            stats["kl_ref"] = kl.detach()
         return loss, {k: v.detach().float().cpu() for k, v in stats.items()}
 
     def _idle_loss(self) -> torch.Tensor:
         tokens = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         rows = torch.tensor([[0, 1]], device=self.device)
         with self._autocast():
-            cur, _ = self.scorer(tokens, torch.ones_like(tokens), rows, torch.ones(1, device=self.device))
-        return cur.sum() * 0.0
+            cur, _, values = self.scorer(tokens, torch.ones_like(tokens), rows, torch.ones(1, device=self.device))
+        return (cur.sum() + (values.sum() if values is not None else 0.0)) * 0.0
 
     def full_state(self) -> tuple[dict, dict]:
         """Model and optimizer state, unsharded, on CPU, on rank 0 (every rank must call it)."""
@@ -165,7 +242,8 @@ class Trainer:
         elsewhere; every rank must call it). A tied output layer is left out, as save_pretrained does."""
         state, _ = self.parallel.full_state(self.scorer)
         tied = self.model.config.tie_word_embeddings
-        return {k[len(PREFIX):]: v for k, v in state.items() if not (tied and k == PREFIX + "lm_head.weight")}
+        return {k[len(PREFIX):]: v for k, v in state.items()
+                if k.startswith(PREFIX) and not (tied and k == PREFIX + "lm_head.weight")}
 
     def weights_blob(self, dtype: torch.dtype = torch.float32) -> bytes:
         """The weights as safetensors bytes in the actors' `dtype` (rank 0; every rank must call it)."""

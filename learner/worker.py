@@ -94,8 +94,11 @@ class Learner:
         self.trainer.load_state(model_state, optim_state)
         return state
 
-    def _op_train(self, datas: list[bytes]) -> tuple[dict, Batch]:
-        batch = collate([decode_group(d) for d in datas], self.cfg.learner.algorithm)
+    def _op_train(self, payload: dict) -> tuple[dict, Batch]:
+        """payload: the groups' messages and the learner's version (rank 0 knows it)."""
+        lcfg = self.cfg.learner
+        batch = collate([decode_group(d) for d in payload["groups"]], lcfg.algorithm, version=payload["version"],
+                        gamma=lcfg.gamma, step_weight=lcfg.gigpo_step_weight)
         return self.trainer.train_step(batch), batch
 
     def _op_weights(self, _=None) -> bytes | Packed | None:
@@ -315,7 +318,7 @@ class Learner:
         lcfg = self.cfg.learner
         groups = [d.group for d in deliveries]
         staleness = np.array([self.state.version - g.oldest_version() for g in groups])
-        metrics, batch = self._all("train", [d.data for d in deliveries])
+        metrics, batch = self._all("train", {"groups": [d.data for d in deliveries], "version": self.state.version})
         self.state.step += 1
         if self.state.step % lcfg.publish_every == 0:
             self.state.version += 1

@@ -36,3 +36,27 @@ def varied_group(rng: np.random.Generator, size: int = 4) -> RolloutGroup:
             finish_reason="done", task_id="0", env_name="synthetic"))
     return RolloutGroup(task_id="0", env_name="synthetic", actor_id="test", sampling={"temperature": 0.8},
                         samples=samples)
+
+
+def multi_turn_sample(rng: np.random.Generator, turn_rewards: list[float], states: list[str], reward: float | None = None,
+                      version: int = 0, gen: int = 3, context: int = 4) -> Sample:
+    """A prompt, then per turn `gen` generated tokens and `context` observation tokens (none
+    after the last); the reward is the turn rewards' sum unless given."""
+    mask = [0] * context
+    for k in range(len(turn_rewards)):
+        mask += [1] * gen + ([0] * context if k < len(turn_rewards) - 1 else [])
+    loss_mask = np.array(mask, np.uint8)
+    n = len(mask)
+    return Sample(
+        tokens=rng.integers(0, 80, n).astype(np.int32), loss_mask=loss_mask,
+        logprobs=np.where(loss_mask, rng.normal(-4.4, 0.3, n), 0).astype(np.float32),
+        versions=np.where(loss_mask, version, -1).astype(np.int32),
+        reward=float(sum(turn_rewards) if reward is None else reward),
+        turn_rewards=np.array(turn_rewards, np.float32), num_turns=len(turn_rewards),
+        finish_reason="done", task_id="0", env_name="synthetic", turn_states=list(states))
+
+
+def multi_turn_group(rng: np.random.Generator, episodes: list[tuple[list[float], list[str]]], version: int = 0
+                     ) -> RolloutGroup:
+    return RolloutGroup(task_id="0", env_name="synthetic", actor_id="test", sampling={},
+                        samples=[multi_turn_sample(rng, r, s, version=version) for r, s in episodes])

@@ -59,7 +59,7 @@ def learner_logprobs(trainer: Trainer) -> np.ndarray:
     """The learner's own log-probs of TEXT's tokens 1..T-1 (its scorer, temperature 1)."""
     tokens, rows = tokens_and_rows()
     trainer.scorer.eval()
-    logp, _ = trainer.scorer(tokens, torch.ones_like(tokens), rows, torch.ones(len(rows)))
+    logp, _, _ = trainer.scorer(tokens, torch.ones_like(tokens), rows, torch.ones(len(rows)))
     return logp.numpy()
 
 

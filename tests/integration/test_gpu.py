@@ -58,10 +58,10 @@ def test_chunked_output_layer_matches_full_logits_on_cuda(wide_model):
     temperature = torch.full((len(rows),), 0.7, device="cuda")
     with torch.no_grad():
         ref_logp, ref_entropy = plain_logprobs(lm, tokens, rows, temperature)
-        logp, entropy = PolicyScorer(lm, vocab_chunk=16)(tokens, torch.ones_like(tokens), rows, temperature)
+        logp, entropy, _ = PolicyScorer(lm, vocab_chunk=16)(tokens, torch.ones_like(tokens), rows, temperature)
         torch.testing.assert_close(logp, ref_logp, rtol=1e-4, atol=1e-4)
         torch.testing.assert_close(entropy, ref_entropy, rtol=1e-4, atol=1e-4)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logp16, _ = PolicyScorer(lm, vocab_chunk=16)(tokens, torch.ones_like(tokens), rows, temperature)
+            logp16, _, _ = PolicyScorer(lm, vocab_chunk=16)(tokens, torch.ones_like(tokens), rows, temperature)
     assert logp16.dtype == torch.float32
     assert float((logp16 - ref_logp).abs().mean()) < 2e-2  # bf16 matmuls, fp32 softmax

@@ -63,7 +63,7 @@ def learner_logprobs(model_path, prompts, gens, temperature):
                          for t in range(len(p), len(p) + len(g.token_ids))])  # (M, 2)
     scorer = PolicyScorer(load_causal_lm(model_path, "float32"))
     with torch.no_grad():
-        logp, _ = scorer(tokens, attention_mask, rows, torch.full((len(rows),), temperature))
+        logp, _, _ = scorer(tokens, attention_mask, rows, torch.full((len(rows),), temperature))
     return logp
 
 

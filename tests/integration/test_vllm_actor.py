@@ -49,7 +49,7 @@ def hf_logprobs(model, tokens):
     with torch.no_grad():
         ids = torch.tensor([tokens])
         rows = torch.stack([torch.zeros(len(tokens) - 1, dtype=torch.long), torch.arange(1, len(tokens))], 1)
-        logp, _ = PolicyScorer(model)(ids, torch.ones_like(ids), rows, torch.ones(len(rows)))
+        logp, _, _ = PolicyScorer(model)(ids, torch.ones_like(ids), rows, torch.ones(len(rows)))
         return torch.nn.functional.pad(logp, (1, 0))
 
 

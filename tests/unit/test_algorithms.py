@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 
-from learner.algorithms import ESTIMATORS, LossConfig, advantages, has_signal, loss_metrics, policy_loss
+from learner.algorithms import (ESTIMATORS, LossConfig, advantages, discounted_returns, gae, gigpo_step_advantages,
+                                has_signal, kl_penalty, loss_metrics, policy_loss, vtrace)
 from learner.scoring import head_logprobs
 
 
@@ -147,3 +148,109 @@ def test_chunked_head_gradient_matches_autograd():
     plain = torch.autograd.grad((ref_logp * g_logp + ref_entropy * g_entropy).sum(), [h, W])
     for got, want in zip(chunked, plain):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def steps_of(x, mask):
+    """Each row's masked positions, in order (the steps GAE and V-trace run over)."""
+    return [x[i][mask[i] > 0] for i in range(len(x))]
+
+
+def np_gae(r, v, gamma, lam):
+    """One episode: A_t = sum_l (gamma lam)^l delta_{t+l}, delta_t = r_t + gamma V_{t+1} - V_t, V_L = 0."""
+    L = len(r)
+    v_next = np.append(v[1:], 0.0)
+    delta = r + gamma * v_next - v
+    return np.array([sum((gamma * lam) ** (k - t) * delta[k] for k in range(t, L)) for t in range(L)])
+
+
+def np_vtrace(r, v, rhos, gamma, lam, rho_bar, c_bar):
+    """IMPALA's definition, as written: v_s = V_s + sum_{t>=s} gamma^{t-s} (prod_{i=s}^{t-1} c_i) rho_t delta_t,
+    and the policy-gradient advantage rho_s (r_s + gamma v_{s+1} - V_s)."""
+    L = len(r)
+    v_next = np.append(v[1:], 0.0)
+    rho = np.minimum(rho_bar, rhos)
+    c = lam * np.minimum(c_bar, rhos)
+    delta = rho * (r + gamma * v_next - v)
+    vs = np.array([v[s] + sum(gamma ** (t - s) * np.prod(c[s:t]) * delta[t] for t in range(s, L)) for s in range(L)])
+    vs_next = np.append(vs[1:], 0.0)
+    return vs, rho * (r + gamma * vs_next - v)
+
+
+def episodes(seed, N=5, T=14):
+    """Rows of generated steps with context between them; rewards at a few steps."""
+    rng = np.random.default_rng(seed)
+    mask = (rng.random((N, T)) < 0.6).astype(np.float32)
+    mask[0] = 0  # a row without steps
+    mask[1, -1] = 1  # a row whose last position is a step
+    rewards = np.where(rng.random((N, T)) < 0.3, rng.normal(0, 1, (N, T)), 0.0).astype(np.float32) * mask
+    values = rng.normal(0, 1, (N, T)).astype(np.float32)
+    return rewards, values, mask
+
+
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.9, 0.95), (1.0, 0.0), (0.0, 0.7), (0.99, 1.0)])
+def test_gae_matches_numpy(gamma, lam):
+    rewards, values, mask = episodes(2)
+    adv, ret = gae(*(torch.from_numpy(x) for x in (rewards, values, mask)), gamma, lam)
+    assert torch.all(adv[mask == 0] == 0) and torch.all(ret[mask == 0] == 0)
+    for a, r, rr, vv in zip(steps_of(adv.numpy(), mask), steps_of(ret.numpy(), mask),
+                            steps_of(rewards, mask), steps_of(values, mask)):
+        want = np_gae(rr, vv, gamma, lam)
+        np.testing.assert_allclose(a, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(r, want + vv, rtol=1e-5, atol=1e-5)
+    if (gamma, lam) == (1.0, 1.0):  # Monte Carlo: the sum of the rewards to come, less V_t
+        rr, vv = steps_of(rewards, mask)[1], steps_of(values, mask)[1]
+        np.testing.assert_allclose(steps_of(adv.numpy(), mask)[1], np.cumsum(rr[::-1])[::-1] - vv, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("gamma,lam,rho_bar,c_bar", [(1.0, 1.0, 1.0, 1.0), (0.9, 0.95, 1.0, 1.0), (0.99, 1.0, 2.0, 1.5)])
+def test_vtrace_matches_impala_definition(gamma, lam, rho_bar, c_bar):
+    rewards, values, mask = episodes(3)
+    log_rhos = np.random.default_rng(4).normal(0, 0.7, rewards.shape).astype(np.float32)
+    adv, vs = vtrace(*(torch.from_numpy(x) for x in (rewards, values, log_rhos, mask)), gamma, lam, rho_bar, c_bar)
+    assert torch.all(vs[mask == 0] == 0)
+    rows = zip(steps_of(adv.numpy(), mask), steps_of(vs.numpy(), mask), steps_of(rewards, mask),
+               steps_of(values, mask), steps_of(np.exp(log_rhos), mask))
+    for a, v_s, rr, vv, rhos in rows:
+        want_vs, want_pg = np_vtrace(rr, vv, rhos, gamma, lam, rho_bar, c_bar)
+        np.testing.assert_allclose(v_s, want_vs, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(np.minimum(rho_bar, rhos) * a, want_pg, rtol=1e-4, atol=1e-5)
+
+
+def test_vtrace_on_policy_is_gae_lambda():
+    """With pi = mu (and bars at 1), V-trace's targets are GAE(lambda)'s returns."""
+    rewards, values, mask = (torch.from_numpy(x) for x in episodes(5))
+    adv_g, ret_g = gae(rewards, values, mask, 0.95, 0.9)
+    adv_v, vs = vtrace(rewards, values, torch.zeros_like(rewards), mask, 0.95, 0.9)
+    torch.testing.assert_close(vs, ret_g, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(adv_v, adv_g)  # the advantage is one-step on v: q_t - V_t, not GAE's
+
+
+def test_gigpo_groups_turns_by_anchor_state():
+    """Three episodes of one group on a hand-made task; states a, b, c, d; gamma 0.5."""
+    turn_rewards = [[0.0, 0.0, 1.0], [0.0, 1.0], [0.0, 0.0, 0.0, 0.0]]
+    states = [["a", "b", "c"], ["a", "c"], ["a", "b", "d", "b"]]
+    returns = [discounted_returns(r, 0.5) for r in turn_rewards]
+    assert returns == [[0.25, 0.5, 1.0], [0.5, 1.0], [0.0, 0.0, 0.0, 0.0]]
+    got = gigpo_step_advantages(returns, states)
+    # anchor a: returns 0.25, 0.5, 0 (mean 0.25, std 0.25); b: 0.5, 0, 0 (mean 1/6, std sqrt(1/12));
+    # c: 1.0, 1.0 (equal: 0); d: alone (0)
+    std_b = np.sqrt(1 / 12)
+    want = [[0.0, (0.5 - 1 / 6) / std_b, 0.0], [1.0, 0.0], [-1.0, -1 / 6 / std_b, 0.0, -1 / 6 / std_b]]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-6)
+    centered = gigpo_step_advantages(returns, states, scale_by_std=False)
+    np.testing.assert_allclose(centered[2], [-0.25, -1 / 6, 0.0, -1 / 6], rtol=1e-6)
+
+
+def test_kl_estimators():
+    rng = np.random.default_rng(6)
+    logits_p, logits_q = rng.normal(0, 1, 5), rng.normal(0, 1, 5)
+    p, q = np.exp(logits_p) / np.exp(logits_p).sum(), np.exp(logits_q) / np.exp(logits_q).sum()
+    exact = float((p * np.log(p / q)).sum())
+    # Expectation under p of each estimator, computed exactly over the 5 outcomes.
+    lp, lq = torch.tensor(np.log(p)), torch.tensor(np.log(q))
+    for kind in ("k1", "k3"):
+        assert float((torch.tensor(p) * kl_penalty(lp, lq, kind)).sum()) == pytest.approx(exact, rel=1e-9)
+    assert torch.all(kl_penalty(lp, lq, "k3") >= 0) and torch.any(kl_penalty(lp, lq, "k1") < 0)
+    with pytest.raises(ValueError, match="learner.kl_estimator"):
+        kl_penalty(lp, lq, "k2")

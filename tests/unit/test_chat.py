@@ -232,3 +232,25 @@ def test_stop_sequences_are_found_where_they_end_among_new_tokens_only():
     assert find_stop(seq, longer, 0, 9) is None
     with pytest.raises(ValueError, match="actor.stop entry ''"):
         stop_sequences(tok, [""])
+
+
+def test_turns_carry_the_state_they_acted_in(tiny_tokenizer):
+    """grid_nav reports its cell as info["state"]; a turn whose action does not parse leaves the
+    state as it was, so the next turn acts in the same one; reset reports none (the observation)."""
+    import hashlib
+
+    from actors.episode import state_key
+
+    cfg = ActorConfig(max_turns=4, max_tokens=4, max_seq_len=1000, action_template="tag")
+    client = LocalEnvClient("grid_nav")
+    setup = EpisodeSetup(client, tiny_tokenizer, cfg, make_template("tag"), "grid_nav")
+    moves = ["<action>n</action>", "nothing", "<action>e</action>", "<action>s</action>"]
+    policy = ScriptedPolicy([(tiny_tokenizer.encode(m, add_special_tokens=False), "stop") for m in moves])
+    sample = asyncio.run(run_episode(setup, policy, task_idx=3))
+    key = lambda text: hashlib.blake2b(text.encode(), digest_size=8).hexdigest()  # noqa: E731
+    replay = make_env("grid_nav")
+    first = replay.reset(3)
+    cells = [replay.step(m).info["state"] for m in ("n", "e", "s")]
+    want = [key(first), key(cells[0]), key(cells[0]), key(cells[1])][:sample.num_turns]
+    assert sample.num_turns >= 3 and sample.turn_states == want and sample.invalid_actions == 1
+    assert state_key(StepResult("obs", 0.0, False, {"state": "2,3"})) == key("2,3")
