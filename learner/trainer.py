@@ -80,8 +80,7 @@ class Trainer:
         if updates > 1 or self.critic or self.reference is not None:
             with self.timer("proximal"):
                 self._before_update(batch, mine, policy=updates > 1 or self.critic)
-        if self.critic:
-            self._critic_advantages(batch, mine)
+        vtrace_share = self._critic_advantages(batch, mine) if self.critic else 0.0
         totals: dict[str, torch.Tensor] = {}
         grad_norms = []
         for _ in range(cfg.ppo_epochs):
@@ -95,6 +94,7 @@ class Trainer:
         metrics = {f"learner/{k}": v for k, v in loss_metrics(summed).items()}
         if self.critic:
             metrics["learner/loss/value"] = summed["value_loss"] / updates
+            metrics["learner/vtrace_frac"] = vtrace_share
         if self.reference is not None:
             metrics["learner/kl_ref"] = summed["kl_ref"] / updates
         metrics.update({
@@ -133,9 +133,11 @@ class Trainer:
             if self.reference is not None:
                 batch.ref_logprobs[mb.cpu_rows] = self._score(mb, self.reference)[0].float().cpu()
 
-    def _critic_advantages(self, batch: Batch, micros: list[list[int]]) -> None:
+    def _critic_advantages(self, batch: Batch, micros: list[list[int]]) -> float:
         """GAE or V-trace advantages and value targets for this rank's samples, from the values
-        before the update; the advantages are then whitened over every rank's trained tokens."""
+        before the update; the advantages are then centred (and with learner.scale_advantages
+        divided by their std) over every rank's trained tokens. Returns the share of the batch's
+        samples that took V-trace."""
         cfg = self.cfg
         mask = torch.zeros_like(batch.loss_mask)
         mine = sorted({i for idx in micros for i in idx})
@@ -153,8 +155,9 @@ class Trainer:
             [float((adv * mask).sum()), float((adv ** 2 * mask).sum()), float(mask.sum())], dtype=torch.float64)).tolist()
         mean = total / max(count, 1.0)
         std = max(squares / max(count, 1.0) - mean ** 2, 0.0) ** 0.5
-        batch.advantages = (adv - mean) / (std + 1e-6) * mask
+        batch.advantages = (adv - mean) / (std + 1e-6 if cfg.scale_advantages else 1.0) * mask
         batch.returns = returns
+        return float(use_vtrace.float().mean())
 
     def _update(self, batch: Batch, minibatch: list[list[list[int]]]) -> tuple[dict[str, torch.Tensor], float]:
         """One optimizer step on a minibatch (every rank's micro-batches); returns this rank's

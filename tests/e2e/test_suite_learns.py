@@ -26,11 +26,14 @@ BLIND_SUCCESS = 0.37  # the best observation-blind sequence of 8 moves, over tas
 
 
 @pytest.mark.timeout(900)
-def test_grid_nav_is_learned_from_its_observations(tmp_path):
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_grid_nav_is_learned_from_its_observations(tmp_path, algorithm):
+    """grpo: the default; ppo: a critic (value head, GAE on fresh samples, V-trace on stale)."""
     run_dir = tmp_path / "run"
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir),
-                           "--set", "env.name=grid_nav", "--set", "actor.max_tokens=1", "--set", "actor.max_turns=8"],
+                           "--set", "env.name=grid_nav", "--set", "actor.max_tokens=1", "--set", "actor.max_turns=8",
+                           "--set", f"learner.algorithm={algorithm}"],
                           capture_output=True, text=True, timeout=850)
     print(done.stdout[-3000:])
     print(f"omrl run took {time.monotonic() - started:.0f}s")
@@ -38,5 +41,7 @@ def test_grid_nav_is_learned_from_its_observations(tmp_path):
     rows = read_jsonl(run_dir / "metrics.jsonl")
     reward, success = fifths(rows, "reward/mean", best=True), fifths(rows, "reward/success", best=True)
     print(f"reward {reward}\nsuccess {success}")
+    if algorithm == "ppo":  # the critic trained: its loss is reported every step
+        assert all(r["learner/loss/value"] >= 0 for r in rows) and any(r["learner/loss/value"] > 0 for r in rows)
     assert reward.gain > 5 * reward.stderr and reward.gain >= 0.3, [r["reward/mean"] for r in rows]
     assert success.last > BLIND_SUCCESS + 0.1, [r["reward/success"] for r in rows]

@@ -63,12 +63,14 @@ def trainer_for(tiny_model, **learner):
     return Trainer(load_causal_lm(tiny_model), LearnerConfig(**learner))
 
 
-@pytest.mark.parametrize("targets", ["gae", "vtrace"])
+@pytest.mark.parametrize("targets", ["gae", "auto"])
 def test_ppo_value_loss_falls_and_the_head_is_checkpointed_not_published(tiny_model, targets):
     rng = np.random.default_rng(3)
     trainer = trainer_for(tiny_model, algorithm="ppo", critic_targets=targets, critic_lr=1e-2, gamma=0.9, gae_lambda=0.95)
     groups = [multi_turn_group(rng, EPISODES, version=0) for _ in range(2)]
-    losses = [trainer.train_step(collate(groups, "ppo", version=1))["learner/loss/value"] for _ in range(8)]
+    steps = [trainer.train_step(collate(groups, "ppo", version=1)) for _ in range(8)]  # version 1: the samples are stale
+    losses = [m["learner/loss/value"] for m in steps]
+    assert steps[0]["learner/vtrace_frac"] == (1.0 if targets == "auto" else 0.0)  # auto: V-trace on stale samples
     assert max(losses[-2:]) < 0.5 * losses[0], losses
     state, _ = trainer.full_state()
     assert {"value_head.weight", "value_head.bias"} <= set(state)
