@@ -43,14 +43,15 @@ def settings(eta: int, loss: str, seed: int) -> list[str]:
     return [*SETTINGS, *mode, f"learner.loss={loss}", f"learner.seed={seed}", f"actor.seed={100 * seed}"]
 
 
-def figures(run_dir: Path) -> dict:
+def figures(run_dir: Path, window: int) -> dict:
+    """A finished run's figures; its final reward is the mean over its last `window` steps."""
     from common.metrics import read_jsonl
 
     by_step = {r["step"]: r for r in read_jsonl(run_dir / "metrics.jsonl")}  # a retrained step: the last line
     records = [by_step[s] for s in sorted(by_step)]
     rewards = [r["reward/mean"] for r in records]
     return {"rewards": rewards, "times": [r["time"] - records[0]["time"] for r in records],
-            "reward_last_fifth": statistics.mean(rewards[-max(1, len(rewards) // 5):]),
+            "reward_last_fifth": statistics.mean(rewards[-window:]),
             "staleness_mean": statistics.mean(r["staleness/mean"] for r in records),
             "staleness_max": max(r["staleness/max"] for r in records),
             "frac_clipped": statistics.mean(r.get("learner/frac_clipped", 0.0) for r in records),
@@ -67,7 +68,9 @@ def run(quick: bool, device: str = "cpu") -> dict:
             for eta, loss in configs:
                 name = f"{label(eta, loss).replace(' ', '-')}-s{seed}"
                 started = time.monotonic()
-                result = figures(omrl_run(Path(tmp), name, settings(eta, loss, seed), steps))
+                # quick: every step's reward (a few steps of an untrained model may all score 0)
+                result = figures(omrl_run(Path(tmp), name, settings(eta, loss, seed), steps),
+                                 steps if quick else max(1, steps // 5))
                 result.update(eta=eta, loss=loss, seed=seed, config=label(eta, loss), wall_s=time.monotonic() - started)
                 runs.append(result)
                 print(f"staleness {name:<22} reward (last fifth) {result['reward_last_fifth']:.3f}  staleness "

@@ -73,6 +73,11 @@ class Sample:
     per turn, or none where unknown."""
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
 
+    def oldest_version(self) -> int:
+        """The oldest weight version that produced any of its generated tokens (-1 if none)."""
+        versions = self.versions[self.loss_mask.astype(bool)]
+        return int(versions.min()) if versions.size else -1
+
 
 @dataclasses.dataclass
 class RolloutGroup:
@@ -92,9 +97,8 @@ class RolloutGroup:
 
     def oldest_version(self) -> int:
         """The oldest weight version that produced any token of the group (-1 if none)."""
-        generated = [s.versions[s.loss_mask.astype(bool)] for s in self.samples]
-        versions = np.concatenate(generated) if generated else np.empty(0, np.int32)
-        return int(versions.min()) if versions.size else -1
+        versions = [v for v in (s.oldest_version() for s in self.samples) if v >= 0]
+        return min(versions) if versions else -1
 
 
 # --- encoding ---------------------------------------------------------------------------

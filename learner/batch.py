@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 import torch
 
-from common.messages import RolloutGroup
+from common.messages import RolloutGroup, Sample
 from learner.algorithms import CRITIC_ALGORITHMS, discounted_returns, gigpo_step_advantages
 from learner.algorithms import advantages as estimate
 
@@ -123,8 +123,7 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
     # Greedy decoding (0) is scored as temperature 1: its log-probs are those of the raw logits.
     temperature = torch.tensor([float(g.sampling.get("temperature", 1.0)) or 1.0
                                 for g in groups for _ in g.samples], dtype=torch.float32)
-    stale = torch.tensor([version is not None and bool(s.loss_mask.any()) and int(s.versions[s.loss_mask > 0].min()) < version
-                          for s in samples])
+    stale = torch.tensor([version is not None and 0 <= s.oldest_version() < version for s in samples])
     return Batch(tokens, attention, loss_mask, generated, behav, advantages, token_rewards, stale, temperature,
                  np.array([s.reward for s in samples], np.float32), np.array(signal), len(groups))
 
@@ -136,7 +135,7 @@ def turn_spans(loss_mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
 
 
-def turn_reward_split(sample, turns: int) -> list[float]:
+def turn_reward_split(sample: Sample, turns: int) -> list[float]:
     """The sample's reward as rewards on its `turns` turns: each turn's env reward on its turn, and
     what the reward functions add beyond their sum (or all of it, when the turns cannot be told
     apart) on the last. They sum to the sample's reward."""

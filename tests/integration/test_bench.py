@@ -30,6 +30,7 @@ def test_bench_all_quick_writes_json_plots_and_table(tmp_path):
         assert (tmp_path / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     check_pipeline_runs(json.loads((tmp_path / "pipeline.json").read_text())["runs"])
     check_weights(json.loads((tmp_path / "weights.json").read_text()))
+    check_staleness(json.loads((tmp_path / "staleness.json").read_text()))
     table = (tmp_path / "table.md").read_text().splitlines()
     assert table[0].startswith("| benchmark |") and len(table) == 2 + rows
 
@@ -77,3 +78,13 @@ def check_pipeline_runs(runs):
     # Sync: trained only on the weights the learner held; async: at least one group generated ahead.
     assert all(set(r["staleness_hist"]) == {"0"} for r in sync), sync
     assert any(set(r["staleness_hist"]) != {"0"} for r in ahead), ahead
+
+
+def check_staleness(result):
+    """The synchronous run trains at staleness 0; the asynchronous one ran with the naive loss,
+    whose ratio is against the behaviour log-probs (so no behaviour weight: ESS 1)."""
+    runs = {r["config"]: r for r in result["runs"]}
+    assert set(runs) == {"sync", "eta=2 naive"}, runs
+    assert runs["sync"]["staleness_max"] == 0 and runs["sync"]["loss"] == "decoupled"
+    assert runs["eta=2 naive"]["ess"] == 1.0 and len(runs["eta=2 naive"]["rewards"]) == result["steps"]
+    assert result["table"].count("\n") == 2 + len(runs)
