@@ -117,7 +117,7 @@ def baseline_step(model, optimizer, batch, autocast) -> None:
     with autocast():
         logp = plain_logprobs(model, batch)
     mask = batch.loss_mask[:, 1:]  # (N, T-1)
-    loss = -(logp * batch.advantages.unsqueeze(1) * mask).sum() / mask.sum().clamp(min=1.0)
+    loss = -(logp * batch.advantages[:, 1:] * mask).sum() / mask.sum().clamp(min=1.0)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)

@@ -51,6 +51,10 @@ def main() -> None:
     model_state, optim_state = trainer.full_state()
     if parallel.is_main:
         save_checkpoint(args.out, LearnerState(step=args.last, version=args.last), model_state, optim_state, keep=1)
+    # Every rank leaves together: a rank tearing its gloo pairs down while rank 0 still writes aborted
+    # once at exit ("terminate called without an active exception", exit -6) after both steps had run.
+    if parallel.world > 1:
+        torch.distributed.barrier()
     parallel.close()
 
 
