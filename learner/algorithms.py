@@ -189,8 +189,6 @@ class LossConfig:
     behav_weight_cap: float = 2.0
     behav_reject: float = 5.0
     dual_clip: float | None = None
-    token_sum: bool = False
-    """Dr.GRPO: normalise by a constant token count instead of the mask sum."""
 
 
 def policy_loss(cur_logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
