@@ -1,4 +1,5 @@
-"""`python -m actors --config run.toml [--index I]`: one actor process."""
+"""`python -m actors --config run.toml [--index I]`: one actor process. With no index (a
+replica of a scaled service) Redis hands out the lowest free one (broker/membership.py)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,14 @@ from common.logs import setup_logging
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="omrl actor", description="Run one rollout actor (vLLM + env clients).")
     add_config_args(parser)
-    parser.add_argument("--index", type=int, default=0, help="actor index: seeds and the actor id")
+    parser.add_argument("--index", type=int, default=None,
+                        help="actor index: seeds and the actor id (default: the lowest free slot in Redis, "
+                             "named after the host: one actor per host or container)")
     args = parser.parse_args(argv)
+    if args.index is not None and args.index < 0:
+        parser.error(f"--index must be 0 or more, not {args.index}")
     cfg = config_from_args(args)
-    setup_logging(f"actor{args.index}", cfg.run.log_level)
+    setup_logging("actor" if args.index is None else f"actor{args.index}", cfg.run.log_level)
     log_config(cfg)
     pin_cpus(cfg.actor.cpus, "actor.cpus")  # before vLLM starts its engine processes
     from actors.worker import main as run

@@ -212,8 +212,9 @@ async def apply_newest(store: WeightStore, gate: WeightGate, load_path: Callable
     try:
         await gate.apply(record["version"], lambda: load_path(path))
     finally:
-        if record["transport"] == "redis":
-            os.unlink(path)
+        if path != record.get("path"):  # our copy or link, never the shared file itself
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
     log.info("applied weight version %d (step %d, %d bytes)", record["version"], record["step"], record["nbytes"])
     return True
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import itertools
 import logging
 import os
@@ -72,7 +73,7 @@ class GroupFailed(Exception):
 class Actor:
     """`engine` replaces the vLLM engine that `run` builds (tests pass a scripted one)."""
 
-    def __init__(self, cfg: Config, index: int = 0, engine: Engine | None = None):
+    def __init__(self, cfg: Config, index: int | None = 0, engine: Engine | None = None):
         if not cfg.model.path:
             raise SystemExit("error: model.path is unset: pass --set model.path=DIR (see `omrl init-model`)")
         if not cfg.redis.url:
@@ -86,11 +87,12 @@ class Actor:
             raise SystemExit(f"error: {exc}") from None
         self.spec = spec_for(cfg.env.name, cfg.env.protocol)
         # The name outlives the process: a restarted actor takes its predecessor's place
-        # (membership, and the tickets it left behind come back at once).
-        self.name = f"{socket.gethostname()}-{index}"
+        # (membership, and the tickets it left behind come back at once). With no index (a
+        # replica of a scaled service) the name is the host's, and the index is a slot that
+        # Redis hands out (broker/membership.py).
+        self.name = socket.gethostname() if index is None else f"{socket.gethostname()}-{index}"
         self.incarnation = f"{os.getpid()}.{time.time_ns() // 1_000_000}"
         self._ticket_ids = itertools.count()
-        self.rng = random.Random(cfg.actor.seed + index)
         self.stop = asyncio.Event()
         self.env_up = asyncio.Event()  # cleared while the env server is unreachable
         self.env_down = asyncio.Event()
@@ -118,8 +120,15 @@ class Actor:
         self.producer = RolloutProducer(client, keys, cfg.redis.max_stream_len, cfg.redis.producer_buffer, self.retry,
                                         admission=self.admission)
         self.members = Membership(client, keys)
+        slot, starts = await self.retry.run("claim a slot", lambda: self.members.claim_slot(self.name, self.index))
+        self.index = slot
+        self.start, self.seed = starts + 1, actor_seed(cfg.actor.seed, self.index, starts)
+        log.info("actor %s: index %d, start %d, seed %d", self.name, self.index, self.start, self.seed)
+        self.rng = random.Random(self.seed)
+        if cfg.actor.gpu_by_index:
+            pick_gpu(self.index, cfg.learner.ranks)
         if self.engine is None:
-            self.engine = VLLMEngine(cfg.model, cfg.actor, cfg.model.path, seed=cfg.actor.seed + self.index)
+            self.engine = VLLMEngine(cfg.model, cfg.actor, cfg.model.path, seed=self.seed)
         self.tokenizer = self.engine.tokenizer
         # Until here a signal ends the process at once (it holds nothing); from here it drains.
         for sig in (signal.SIGTERM, signal.SIGINT):
@@ -304,10 +313,12 @@ class Actor:
         while not self.stop.is_set():
             try:
                 await self.members.heartbeat(self.name, role="actor", host=socket.gethostname(), pid=os.getpid(),
+                                             index=self.index, start=self.start, seed=self.seed,
                                              version=self.gate.version, groups=self.groups,
                                              groups_failed=sum(self.failed.values()),
                                              tokens_per_s=round(self._tokens_per_s, 1))
                 await self.admission.renew(sorted(self.running | self.producer.tickets))
+                await self.members.renew_slot(self.name)
             except REDIS_TRANSIENT as exc:  # a missed heartbeat is not worth stopping for
                 log.warning("heartbeat failed: %s", exc)
             with contextlib.suppress(asyncio.TimeoutError):
@@ -362,5 +373,34 @@ async def _wait_either(event: asyncio.Event, stop: asyncio.Event) -> bool:
     return event.is_set() and not stop.is_set()
 
 
-def main(cfg: Config, index: int = 0) -> None:
+def actor_seed(base: int, index: int, starts: int) -> int:
+    """Actor i's first process seeds with base + i; a restarted one (starts > 0) must not
+    replay its predecessor's task order and samples, so it mixes in its start count."""
+    if starts == 0:
+        return base + index
+    digest = hashlib.blake2b(f"{base}/{index}/{starts}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
+def gpu_for(index: int, learner_ranks: int, visible: list[str]) -> str:
+    """The visible GPU actor `index` uses: one the learner's ranks leave free where there is one."""
+    free = visible[learner_ranks:] or visible
+    return free[index % len(free)]
+
+
+def pick_gpu(index: int, learner_ranks: int) -> None:
+    """Narrow CUDA_VISIBLE_DEVICES to this actor's GPU before vLLM starts (nothing here has
+    touched CUDA yet)."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        import torch
+
+        visible = ",".join(str(i) for i in range(torch.cuda.device_count()))
+    ids = [v for v in visible.split(",") if v.strip()]
+    if len(ids) > 1:
+        os.environ["CUDA_VISIBLE_DEVICES"] = gpu_for(index, learner_ranks, ids)
+        log.info("actor index %d uses GPU %s of %s", index, os.environ["CUDA_VISIBLE_DEVICES"], visible)
+
+
+def main(cfg: Config, index: int | None = 0) -> None:
     asyncio.run(Actor(cfg, index).run())

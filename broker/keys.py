@@ -89,3 +89,9 @@ class Keys:
     def members(self) -> str:
         """Hash: member id -> last heartbeat record."""
         return f"{self.prefix}:members"
+
+    @property
+    def actor_slots(self) -> str:
+        """Hash: actor name -> "index starts renewed_at": the index an actor without one of its
+        own (a scaled replica) seeds from."""
+        return f"{self.prefix}:actors:slots"

@@ -79,7 +79,7 @@ def format_status(status: dict[str, Any]) -> str:
     members = status["members"]
     lines.append(f"actors: {sum(m['alive'] for m in members)} live, {sum(not m['alive'] for m in members)} dead")
     for m in members:
-        lines.append(f"  {m['id']:<32} {'live' if m['alive'] else 'DEAD'}  version {m.get('version')}  "
+        lines.append(f"  {m['id']:<32} {'live' if m['alive'] else 'DEAD'}  index {m.get('index')}  version {m.get('version')}  "
                      f"groups {m.get('groups')}  failed {m.get('groups_failed', 0)}  tokens/s {m.get('tokens_per_s')}  "
                      f"host {m.get('host')}")
     return "\n".join(lines)

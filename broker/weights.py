@@ -7,7 +7,8 @@ Where the bytes of a version are, by the record's `transport`:
     redis      safetensors bytes in chunks of at most `chunk_bytes` (and under the server's
                proto-max-bulk-len), so a model of any size fits
     dir        one safetensors file in a directory every process sees (`weights.dir`),
-               written to a temporary name and renamed
+               written to a temporary name and renamed; a receiver reads it through a
+               hard link of its own (readers/), so a rotation does not pull it away
     broadcast  nowhere in Redis: the learner sends the tensors over torch.distributed
                (learner/broadcast.py); the record says where to join
 
@@ -18,11 +19,13 @@ Checksums and file writes run in a thread, off the caller's event loop.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import logging
 import os
 import tempfile
 import time
+import uuid
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -120,14 +123,15 @@ class WeightStore:
         return rec
 
     async def fetch_to(self, record: dict[str, Any], directory: str) -> str:
-        """A verified safetensors file of the version: the shared file itself (dir), or one
-        written under `directory` from the Redis chunks (the caller deletes it)."""
+        """A verified safetensors file of the version, which the caller deletes when it has
+        loaded it: a hard link to the shared file (dir: the learner may rotate the version out
+        while the engine reads it), or a file written under `directory` from the Redis chunks."""
         version = record["version"]
         if record["transport"] == "dir":
-            if not await asyncio.to_thread(os.path.exists, record["path"]):
+            path = await asyncio.to_thread(_pin, record["path"])
+            if path is None:
                 raise WeightVersionError(f"weights of version {version} are no longer stored ({record['path']})")
-            digest = await asyncio.to_thread(_file_sha256, record["path"])
-            path = record["path"]
+            digest = await asyncio.to_thread(_file_sha256, path)
         elif record["transport"] == "redis":
             path = os.path.join(directory, f"v{version}.safetensors")
             hasher = hashlib.sha256()
@@ -135,12 +139,16 @@ class WeightStore:
                 for i in range(record["chunks"]):
                     chunk = await self.client.get(self.keys.weights_chunk(version, i))
                     if chunk is None:
+                        f.close()
+                        os.unlink(path)
                         raise WeightVersionError(f"weights of version {version} are no longer stored")
                     await asyncio.to_thread(_write_and_hash, f, hasher, chunk)
             digest = hasher.hexdigest()
         else:
             raise WeightVersionError(f"weights of version {version} travel by {record['transport']}, not in a blob")
         if await asyncio.to_thread(os.path.getsize, path) != record["nbytes"] or digest != record["sha256"]:
+            if path != record.get("path"):
+                os.unlink(path)
             raise WeightVersionError(f"weights of version {version} fail their checksum")
         return path
 
@@ -148,8 +156,12 @@ class WeightStore:
         """The version's bytes in memory (tests and small models; receivers use `fetch_to`)."""
         with tempfile.TemporaryDirectory(prefix="omrl-weights-") as tmp:
             path = await self.fetch_to(record, tmp)
-            with open(path, "rb") as f:
-                return f.read()
+            try:
+                with open(path, "rb") as f:
+                    return f.read()
+            finally:
+                if path != record.get("path"):
+                    os.unlink(path)
 
 
 def _sha256(data: bytes) -> str:
@@ -183,8 +195,35 @@ def _write_atomic(path: str, blob: bytes) -> None:
     os.replace(tmp, path)
 
 
+READERS = "readers"  # weights.dir/readers: receivers' hard links to the versions they are loading
+READER_LINK_KEPT_S = 3600.0  # a link this old was left by a receiver that died while loading
+
+
+def _pin(path: str) -> str | None:
+    """A hard link to `path` under its directory's readers/ (same filesystem), so the bytes
+    outlive the learner's rotation until the receiver has loaded them; None if the file is
+    gone. Where links are refused, the file itself."""
+    readers = os.path.join(os.path.dirname(path), READERS)
+    link = os.path.join(readers, f"{uuid.uuid4().hex}-{os.path.basename(path)}")
+    try:
+        os.makedirs(readers, exist_ok=True)
+        os.link(path, link)
+        return link
+    except FileNotFoundError:
+        return None
+    except OSError:  # a filesystem without hard links: read it in place, and race the rotation
+        return path if os.path.exists(path) else None
+
+
 def _prune(directory: str, keep: set[int]) -> None:
-    """Delete the version files in `directory` (one run's: weights.dir) but those of `keep`."""
+    """Delete the version files in `directory` (one run's: weights.dir) but those of `keep`,
+    and receivers' links older than READER_LINK_KEPT_S."""
+    readers = os.path.join(directory, READERS)
+    for name in os.listdir(readers) if os.path.isdir(readers) else ():
+        with contextlib.suppress(FileNotFoundError):
+            link = os.path.join(readers, name)
+            if time.time() - os.stat(link).st_mtime > READER_LINK_KEPT_S:
+                os.unlink(link)
     for name in os.listdir(directory):
         stem = name.removeprefix("v").removesuffix(".safetensors")
         if name.startswith("v") and name.endswith(".safetensors") and stem.isdigit() and int(stem) not in keep:

@@ -143,7 +143,11 @@ class ActorConfig(Section):
     the update is applied, and each request continues with its tokens kept (those after carry the new
     version); drain: new requests wait while running ones finish, then the update is applied."""
     seed: int = 0
-    """Base seed; actor i uses seed + i."""
+    """Base seed; actor i uses seed + i (a restarted process mixes in how often its name started).
+    An actor started with no --index (a scaled replica) gets the lowest free index from Redis."""
+    gpu_by_index: bool = False
+    """With several GPUs visible, this actor's vLLM uses one: visible GPU (learner.ranks + index) mod
+    count, so the replicas of a scaled service on one host spread over the GPUs the learner leaves."""
     weight_poll_s: float = Field(0.2, gt=0)
     """An actor applies a new weight version when it is announced, and checks for one this often
     besides (a lost announcement costs one check)."""

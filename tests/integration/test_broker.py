@@ -223,6 +223,36 @@ def test_membership_reports_dead_members(redis_server_url, run_name):
     run(scenario())
 
 
+def test_actor_slots_are_distinct_kept_across_restarts_and_reused(redis_server_url, run_name):
+    """Replicas with no index of their own (a scaled compose service) get distinct indexes;
+    a restarted replica gets its own back with its start count; a clean leave frees the
+    index for the next newcomer; a silent holder's slot goes stale; concurrent claims never
+    share an index."""
+    async def scenario():
+        client = connect(redis_server_url)
+        members = Membership(client, Keys(run_name))
+        assert [await members.claim_slot(n) for n in ("c1", "c2", "c3")] == [(0, 0), (1, 0), (2, 0)]
+        assert await members.claim_slot("c2") == (1, 1)  # restarted: same index, second start
+        assert await members.claim_slot("c2") == (1, 2)
+        await members.leave("c1")  # scaled down: index 0 is free again
+        assert await members.claim_slot("c4") == (0, 0)
+        assert await members.claim_slot("host-7", given=7) == (7, 0)  # `--index 7` keeps its index
+        assert await members.claim_slot("c5") == (3, 0)
+        assert await members.slots() == {"c2": 1, "c3": 2, "c4": 0, "host-7": 7, "c5": 3}
+        # c3 goes silent (killed, never restarted) while the others renew: past the stale age
+        # its index is the lowest free one.
+        await asyncio.sleep(0.3)
+        for name in ("c2", "c4", "host-7", "c5"):
+            assert await members.renew_slot(name)
+        assert not await members.renew_slot("gone")
+        assert await members.claim_slot("c6", stale_s=0.2) == (2, 0)
+        assert set(await members.slots()) == {"c2", "c4", "host-7", "c5", "c6"}
+        many = await asyncio.gather(*(members.claim_slot(f"r{i}") for i in range(20)))
+        assert sorted(index for index, _ in many) == [4, 5, 6, *range(8, 25)]
+        await client.aclose()
+    run(scenario())
+
+
 def test_weight_store_publishes_verifies_and_keeps_the_last_k(redis_server_url, run_name, tmp_path):
     """Blob versions in Redis chunks (100 bytes in chunks of 32: 4 chunks) and in a shared
     directory: fetched whole and verified, the last `keep` kept, the rest deleted."""
@@ -257,15 +287,23 @@ def test_weight_store_publishes_verifies_and_keeps_the_last_k(redis_server_url, 
         record = await shared.latest()
         assert record["transport"] == "dir" and record["path"] == str(tmp_path / "shared" / "v6.safetensors")
         assert await shared.fetch(record) == b"v6"
-        assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["v5.safetensors", "v6.safetensors"]
+        # A receiver holds its own link while it loads: the rotation does not pull the bytes away.
+        pinned = await shared.fetch_to(await shared.latest(5), str(tmp_path))
+        assert pinned.startswith(str(tmp_path / "shared" / "readers")) and not os.path.samefile(pinned, record["path"])
+        await shared.publish(8, step=8, blob=b"v8")  # keep 2: version 5 rotates out mid-load
+        assert not (tmp_path / "shared" / "v5.safetensors").exists() and open(pinned, "rb").read() == b"v5"
+        os.unlink(pinned)
+        assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["readers", "v6.safetensors", "v8.safetensors"]
+        assert not list((tmp_path / "shared" / "readers").iterdir())
         assert not await client.exists(keys.weights_chunk(3, 0))  # version 3's chunks went with it
         (tmp_path / "shared" / "v6.safetensors").write_bytes(b"v7")
         with pytest.raises(WeightVersionError, match="checksum"):
             await shared.fetch(record)
+        assert not list((tmp_path / "shared" / "readers").iterdir())  # the failed reader's link is gone
         # Redis restarted empty (no AOF): the files it no longer knows of still go.
         await client.delete(keys.weights_kept)
-        await shared.publish(7, step=7, blob=b"v7")
-        assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["v7.safetensors"]
+        await shared.publish(9, step=9, blob=b"v9")
+        assert sorted(p.name for p in (tmp_path / "shared").iterdir()) == ["readers", "v9.safetensors"]
         await pubsub.aclose()
         await client.aclose()
     run(scenario())
