@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import argparse
 
-from common.cli import add_config_args, config_from_args, log_config, pin_cpus
+from common.cli import Preflight, add_config_args, config_from_args, log_config, pin_cpus
 from common.logs import setup_logging
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, preflight: Preflight | None = None) -> None:
+    """`preflight(cfg, debug)` runs before anything starts (`omrl ROLE` passes the checks)."""
     parser = argparse.ArgumentParser(prog="omrl actor", description="Run one rollout actor (vLLM + env clients).")
     add_config_args(parser)
     parser.add_argument("--index", type=int, default=None,
@@ -19,6 +20,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.index is not None and args.index < 0:
         parser.error(f"--index must be 0 or more, not {args.index}")
     cfg = config_from_args(args)
+    if preflight is not None:
+        preflight(cfg, args.debug)
     setup_logging("actor" if args.index is None else f"actor{args.index}", cfg.run.log_level)
     log_config(cfg)
     pin_cpus(cfg.actor.cpus, "actor.cpus")  # before vLLM starts its engine processes

@@ -5,21 +5,29 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import sys
+from typing import Callable
 
 from common.config import Config, ConfigError, dump_toml, load_config
+
+Preflight = Callable[[Config, bool], None]  # checks before a role starts: (config, show tracebacks)
 
 
 def add_config_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", help="TOML file with every section (see README)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                         help="override one field, for example --set learner.lr=1e-3 (repeatable)")
+    parser.add_argument("--debug", action="store_true",
+                        help="tracebacks with the one-line errors of the checks before start")
 
 
 def config_from_args(args: argparse.Namespace, extra: list[str] = ()) -> Config:
     try:
         return load_config(args.config, [*args.overrides, *extra])
     except ConfigError as exc:
-        raise SystemExit(f"error: {exc}") from None
+        for line in str(exc).splitlines():
+            print(f"error: {line}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def log_config(config: Config) -> None:
@@ -33,7 +41,8 @@ def pin_cpus(cpus: list[int], field: str) -> None:
         return
     available = sorted(os.sched_getaffinity(0))
     if not set(cpus) <= set(available):
-        raise SystemExit(f"error: {field} = {cpus}: this process may run on CPUs {available}; "
-                         f"choose among them, or leave {field} empty")
+        print(f"error: {field} = {cpus}: this process may run on CPUs {available}; "
+              f"choose among them, or leave {field} empty", file=sys.stderr)
+        raise SystemExit(2)
     os.sched_setaffinity(0, cpus)
     logging.getLogger("config").info("pinned to CPUs %s (%s)", cpus, field)

@@ -432,11 +432,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), envir
     try:
         return Config.model_validate(tree)
     except ValidationError as exc:
-        lines = []
+        lines = []  # one line per problem, each naming its field
         for err in exc.errors():
             where = ".".join(str(p) for p in err["loc"]) or "config"
-            lines.append(f"  {where}: {err['msg']} (got {err.get('input')!r})")
-        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+            got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
+            lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}{got}")
+        raise ConfigError("\n".join(lines)) from None
 
 
 def _toml_value(value: Any) -> str:

@@ -36,6 +36,8 @@ def build_char_tokenizer():
     vocab = {byte_to_symbol[ord(ch)]: i for i, ch in enumerate(TINY_CHARS)}
     return Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token=TINY_EOS, pad_token=TINY_EOS)
 
+TINY_MAX_POSITIONS = 4096  # the tiny model's context
+
 
 def init_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, heads: int = 2, seed: int = 0,
                     tie_embeddings: bool = False) -> Path:
@@ -50,7 +52,7 @@ def init_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, hea
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
-        max_position_embeddings=4096, tie_word_embeddings=tie_embeddings, rope_theta=10000.0,
+        max_position_embeddings=TINY_MAX_POSITIONS, tie_word_embeddings=tie_embeddings, rope_theta=10000.0,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
         torch_dtype="float32",
     )

@@ -58,6 +58,9 @@ def main(argv: list[str] | None = None) -> None:
     for name, help_text in (("env-server", "serve a built-in env over HTTP (AgentGym 'id' protocol)"),
                             ("actor", "run one rollout actor"), ("learner", "run the learner")):
         sub.add_parser(name, help=help_text, add_help=False)
+    p = sub.add_parser("doctor", help="check everything a run needs (model, Redis, env server, ports, run dir, GPU)")
+    add_config_args(p)
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     if argv and argv[0] in ("env-server", "actor", "learner"):
         role, rest = argv[0], argv[1:]
         if role == "env-server":
@@ -66,7 +69,7 @@ def main(argv: list[str] | None = None) -> None:
             from actors.__main__ import main as role_main
         else:
             from learner.__main__ import main as role_main
-        role_main(rest)
+        role_main(rest, preflight=lambda cfg, debug: _preflight(cfg, role, debug))
         return
     args = parser.parse_args(argv)
     if args.command == "init-model":
@@ -105,6 +108,34 @@ def main(argv: list[str] | None = None) -> None:
         from deploy.supervisor import run
 
         sys.exit(run(args))
+    elif args.command == "doctor":
+        sys.exit(_doctor(args))
+
+
+def _preflight(cfg, role: str, debug: bool) -> None:
+    from deploy.preflight import require
+
+    # A role started beside its servers (compose, Kubernetes) gives them a moment to come up.
+    require(cfg, role, debug, wait_s=ROLE_WAIT_S)
+
+
+ROLE_WAIT_S = 30.0
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    from common.cli import config_from_args
+    from deploy.preflight import doctor_report, run_checks
+
+    cfg = config_from_args(args)
+    results = run_checks(cfg, "doctor")
+    if args.debug:
+        import traceback
+
+        for r in results:
+            if r.error is not None and r.status == "fail":
+                traceback.print_exception(r.error, file=sys.stderr)
+    print(doctor_report(results, args.json))
+    return 2 if any(r.status == "fail" for r in results) else 0
 
 
 def _status(args: argparse.Namespace) -> int:

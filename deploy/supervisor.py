@@ -118,6 +118,7 @@ class Supervisor:
 
     def __init__(self, cfg: SupervisorConfig, processes: list[Process], learner: Process | None):
         self.cfg, self.processes, self.learner = cfg, processes, learner
+        self.failure: str | None = None  # why check() returned 1, in one line
 
     def backoff(self, process: Process) -> float:
         return min(self.cfg.backoff_max_s, self.cfg.backoff_s * 2 ** max(0, len(process.restarts) - 1))
@@ -149,6 +150,7 @@ class Supervisor:
                        f"supervisor.max_restarts = {self.cfg.max_restarts})")
                 log.error("%s %s; stopping the run: %s. Last lines of its log (%s):\n%s", p.name, describe_exit(code),
                           why, p.log_path, p.tail(self.cfg.log_lines))
+                self.failure = f"{p.name} {describe_exit(code)}, and {why}; its log: {p.log_path}"
                 return 1
             p.restarts.append(now)
             delay = self.backoff(p)
@@ -189,27 +191,6 @@ def _wait_redis(port: int) -> Callable[[Process], None]:
     return ready
 
 
-def check(cfg: Config) -> None:
-    """What the config names must exist: fail here, in one line, before anything starts."""
-    from actors.templates import make_template
-    from envs.rewards import check_weights
-    from envs.tasks import task_split
-
-    try:
-        make_template(cfg.actor.action_template)
-        check_weights(cfg.actor.rewards)
-        task_split(cfg.env)
-        if not cfg.env.url:
-            from envs.base import ENVS
-            import envs.builtin  # noqa: F401  (registers the built-in envs)
-
-            if cfg.env.name not in ENVS:
-                raise ValueError(f"unknown env {cfg.env.name!r} for the built-in env server: choose one of "
-                                 f"{sorted(ENVS)} (env.name), or set env.url to a server of yours")
-    except ValueError as exc:
-        raise SystemExit(f"error: {exc}") from None
-
-
 def prepare(cfg: Config) -> Config:
     """Fill in what the embedded default provides: the tiny model, the env port."""
     from broker.embedded import free_port
@@ -246,11 +227,13 @@ def run(args: argparse.Namespace) -> int:
         extra.append(f"model.path={json.dumps(args.model)}")
     cfg = config_from_args(args, extra)
     setup_logging("omrl", cfg.run.log_level)
+    from deploy.preflight import require
+
+    require(cfg, "run", args.debug)  # one line per problem and exit 2, before anything starts
     run_dir = Path(cfg.run.run_dir)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     (run_dir / "redis").mkdir(exist_ok=True)
-    check(cfg)
     cfg = prepare(cfg)
 
     stopping = False
@@ -263,6 +246,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     redis: Process | None = None
     processes: list[Process] = []
+    supervisor: Supervisor | None = None
+    outcome: int | None = None
     try:
         if not cfg.redis.url:
             from broker.embedded import EmbeddedRedis, free_port
@@ -304,14 +289,12 @@ def run(args: argparse.Namespace) -> int:
                  "per process in %.0fs", cfg.actor.num_actors, logs, cfg.supervisor.restart,
                  cfg.supervisor.max_restarts, cfg.supervisor.restart_window_s)
         supervisor = Supervisor(cfg.supervisor, processes, learner)
-        outcome = None
         while not stopping and outcome is None:
             outcome = supervisor.check()
             time.sleep(0.2)
         if stopping:
             log.info("interrupted: stopping every process")
-            return 130
-        return outcome
+            outcome = 130
     finally:
         for p in reversed(processes):  # actors before the env server they talk to; Redis last
             if p is not redis:
@@ -322,6 +305,9 @@ def run(args: argparse.Namespace) -> int:
             redis.stop()
         if (run_dir / "metrics.jsonl").exists():
             _plot(run_dir)
+    if supervisor is not None and supervisor.failure:
+        log.error("the run stopped: %s", supervisor.failure)  # the last line says why
+    return outcome
 
 
 def _report(cfg: Config, run_dir: Path) -> None:
@@ -345,3 +331,5 @@ def _plot(run_dir: Path) -> None:
         log.info("plots of reward, throughput and staleness: %s", path)
     except ImportError:
         log.info("matplotlib is not installed: no plot written")
+    except Exception as exc:  # noqa: BLE001 - a plot must not hide how the run ended
+        log.warning("no plot written: %s: %s", type(exc).__name__, exc)

@@ -6,7 +6,7 @@ import argparse
 import asyncio
 import signal
 
-from common.cli import add_config_args, config_from_args, log_config
+from common.cli import Preflight, add_config_args, config_from_args, log_config
 from common.logs import setup_logging
 
 
@@ -24,7 +24,8 @@ async def _serve(cfg) -> None:
     await runner.cleanup()
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, preflight: Preflight | None = None) -> None:
+    """`preflight(cfg, debug)` runs before anything starts (`omrl ROLE` passes the checks)."""
     parser = argparse.ArgumentParser(prog="omrl env-server", description="Serve a built-in env over HTTP.")
     add_config_args(parser)
     parser.add_argument("--env", help="env name (env.name)")
@@ -34,6 +35,8 @@ def main(argv: list[str] | None = None) -> None:
     extra = [f"env.{k}={v!r}" if isinstance(v, str) else f"env.{k}={v}"
              for k, v in (("name", args.env), ("host", args.host), ("port", args.port)) if v is not None]
     cfg = config_from_args(args, extra)
+    if preflight is not None:
+        preflight(cfg, args.debug)
     setup_logging("env", cfg.run.log_level)
     log_config(cfg)
     asyncio.run(_serve(cfg))

@@ -45,6 +45,8 @@ def test_restarts_back_off_and_stop_when_the_budget_is_spent(tmp_path, caplog):
         assert [round(d, 1) for d in delays] == pytest.approx([0.2, 0.4, 0.5], abs=0.1)  # doubling, capped
         assert "restart 1 of at most 3" in caplog.text and "boom: the env went away" in caplog.text
         assert "actor0 exited with code 3; stopping the run: it used its restart budget (3 restarts" in caplog.text
+        assert supervisor.failure.startswith("actor0 exited with code 3, and it used its restart budget")
+        assert supervisor.failure.endswith(f"its log: {crashing.log_path}")
     finally:
         steady.stop(timeout=5)
 

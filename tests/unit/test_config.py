@@ -104,5 +104,5 @@ def test_processes_pin_themselves_to_the_cores_their_config_names():
     done = subprocess.run([sys.executable, "-c", code.format(cpus=[first])], capture_output=True, text=True)
     assert done.returncode == 0 and done.stdout.strip() == f"[{first}]", done.stderr
     done = subprocess.run([sys.executable, "-c", code.format(cpus=[4096])], capture_output=True, text=True)
-    assert done.returncode == 1 and "learner.cpus = [4096]: this process may run on CPUs" in done.stderr
+    assert done.returncode == 2 and "learner.cpus = [4096]: this process may run on CPUs" in done.stderr
     assert load_config(None, ["learner.cpus=[0]", "actor.cpus=[1, 2]"], environ={}).actor.cpus == [1, 2]
