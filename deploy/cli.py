@@ -112,28 +112,25 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(_doctor(args))
 
 
+ROLE_WAIT_S = 30.0  # a role started beside its servers (compose, Kubernetes) gives them this to come up
+
+
 def _preflight(cfg, role: str, debug: bool) -> None:
     from deploy.preflight import require
 
-    # A role started beside its servers (compose, Kubernetes) gives them a moment to come up.
     require(cfg, role, debug, wait_s=ROLE_WAIT_S)
-
-
-ROLE_WAIT_S = 30.0
 
 
 def _doctor(args: argparse.Namespace) -> int:
     from common.cli import config_from_args
-    from deploy.preflight import doctor_report, run_checks
+    from deploy.preflight import doctor_report, print_cause, run_checks
 
     cfg = config_from_args(args)
     results = run_checks(cfg, "doctor")
     if args.debug:
-        import traceback
-
         for r in results:
-            if r.error is not None and r.status == "fail":
-                traceback.print_exception(r.error, file=sys.stderr)
+            if r.status == "fail":
+                print_cause(r)
     print(doctor_report(results, args.json))
     return 2 if any(r.status == "fail" for r in results) else 0
 

@@ -280,11 +280,18 @@ def require(cfg: Config, role: str, debug: bool = False, wait_s: float = 0.0) ->
     debug = debug or cfg.run.log_level == "DEBUG"
     for r in results:
         if r.status in ("fail", "warn"):
-            if debug and r.error is not None and not isinstance(r.error, Failed):
-                traceback.print_exception(r.error, file=sys.stderr)
+            if debug:
+                print_cause(r)
             print(f"{'error' if r.status == 'fail' else 'warning'}: {r.line()}", file=sys.stderr, flush=True)
     if any(r.status == "fail" for r in results):
         raise SystemExit(2)
+
+
+def print_cause(result: Result) -> None:
+    """The traceback behind a failed check (--debug): the error it ran into, if any."""
+    error = result.error.__cause__ if isinstance(result.error, Failed) else result.error
+    if error is not None:
+        traceback.print_exception(error, file=sys.stderr)
 
 
 def doctor_report(results: list[Result], as_json: bool) -> str:
@@ -328,7 +335,7 @@ def _retry(ctx: Context, probe: Callable[[], str], failure: Callable[[BaseExcept
             if verdict.transient and time.monotonic() < deadline:
                 time.sleep(1.0)
                 continue
-            raise verdict from None
+            raise verdict from exc  # --debug shows the cause's traceback
 
 
 async def _redis_version(cfg: Config) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -122,9 +123,9 @@ def test_gpu_asked_for_where_there_is_none(tmp_path):
 
 def test_debug_adds_the_traceback(tmp_path):
     code, out = omrl(tmp_path, "doctor", "--debug", "--set", 'redis.url="redis://127.0.0.1:1/0"')
-    assert code == 2 and "redis    FAIL" in out
-    code, out = omrl(tmp_path, "run", "--debug", "--set", 'env.name="nope"')
-    assert code == 2 and out.endswith("or set env.url to an AgentGym server of yours")
+    assert code == 2 and "redis    FAIL" in out and "Traceback" in out and "ConnectionRefusedError" in out
+    code, out = omrl(tmp_path, "run", "--debug", "--set", 'redis.url="redis://127.0.0.1:1/0"')
+    assert code == 2 and "Traceback" in out and out.splitlines()[-1].startswith("error: redis: cannot connect")
 
 
 def test_doctor_passes_on_the_embedded_defaults(tmp_path):
@@ -157,3 +158,24 @@ def test_doctor_against_real_servers(tmp_path, env_url):
         assert results["redis"]["status"] == "ok" and "Redis " in results["redis"]["detail"]
         assert code == 2 and results["env"]["status"] == "fail", results["env"]
         assert "protocol env_idx" in results["env"]["detail"] and "env.protocol" in results["env"]["fix"]
+
+
+@pytest.mark.slow
+def test_a_run_that_cannot_go_on_ends_with_the_process_why_and_its_log(tmp_path):
+    """Weights that no loader can read pass the checks (config and tokenizer are there);
+    the processes that load them fail, and the run's last line names which, why, and where
+    its log is: no later step (accounting, plots) speaks after it."""
+    from common.models import init_tiny_model
+
+    model = init_tiny_model(tmp_path / "model")
+    (model / "model.safetensors").write_bytes(os.urandom(1000))
+    code, out = omrl(tmp_path, "run", "--model", str(model), "--run-dir", str(tmp_path / "run"),
+                     "--set", "supervisor.max_restarts=0", "--set", "supervisor.log_lines=0", timeout=300)
+    last = out.splitlines()[-1]
+    assert code == 1, out[-3000:]
+    match = re.search(r"the run stopped: (\w+) exited with code 1, and (.*); its log: (\S+)$", last)
+    assert match, last
+    assert match[1] in ("learner", "actor0", "actor1")
+    assert "restart budget" in match[2] or "after its first start" in match[2], match[2]
+    assert Path(match[3]) == tmp_path / "run" / "logs" / f"{match[1]}.log" and Path(match[3]).exists()
+    assert not processes_mentioning(str(tmp_path)), "a process was left behind"
