@@ -73,7 +73,8 @@ MISTAKES = {
     "model path that does not exist": (["run", "--model", "/nonexistent"], {},
                                        ["model.path = /nonexistent: no such directory", "save_pretrained"]),
     # No network: the hub's endpoint is a closed local port, and the cache is empty.
-    "hub id with no network": (["run", "--model", "Qwen/Qwen2.5-0.5B"], {"HF_ENDPOINT": "http://127.0.0.1:9"},
+    "hub id with no network": (["run", "--model", "Qwen/Qwen2.5-0.5B"],
+                               {"HF_ENDPOINT": "http://127.0.0.1:9", "HF_HUB_OFFLINE": "0", "TRANSFORMERS_OFFLINE": "0"},
                                ["hub cannot be reached", "--local-dir DIR", "pass --model DIR"]),
     "Redis that is not there": (["run", "--set", 'redis.url="redis://127.0.0.1:1/0"'], {},
                                 ["cannot connect to redis://127.0.0.1:1/0", "start Redis there"]),
