@@ -1,7 +1,8 @@
 """The rollouts streams: producers XADD encoded groups, the learner reads them through a
 consumer group, acknowledges them after the step that used them is committed (XACK then
-XDEL, pipelined), and sends what it cannot use to the dead-letter stream with the reason
-(the stream is capped; the counts by reason are kept whole in the run's `counts` hash).
+XDEL, pipelined), and moves what it cannot use to the dead-letter stream with the reason,
+exactly once (the stream is capped; the counts by reason are kept whole in the run's
+`counts` hash).
 
 Nothing is trimmed: back-pressure makes producers wait while a stream is full. Producers
 keep a bounded local buffer and retry by a declared policy while Redis is unreachable.
@@ -120,6 +121,20 @@ class RolloutProducer:
         return _id(entry_id)
 
 
+# KEYS: stream, dead letters, counts, accepted. ARGV: group, entry id, max_len, reason, detail,
+# stream name, data. All keys carry the run's hash tag: one slot, so one script on a cluster too.
+_DEAD_LETTER_LUA = """
+if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'reason', ARGV[4], 'detail', ARGV[5],
+             'stream', ARGV[6], 'entry', ARGV[2], 'data', ARGV[7])
+  redis.call('HINCRBY', KEYS[3], 'dead:' .. ARGV[4], 1)
+  redis.call('DECR', KEYS[4])
+end
+redis.call('XDEL', KEYS[1], ARGV[2])
+return 1
+"""
+
+
 class RolloutConsumer:
     """Reads one stream for one named consumer of the learner's consumer group.
 
@@ -176,16 +191,13 @@ class RolloutConsumer:
     async def dead_letter(self, entry_id: str, data: bytes | None, reason: str, detail: str = "",
                           max_len: int = 10_000) -> None:
         """Move an entry to the dead-letter stream (capped at about `max_len` entries) with its
-        reason, count it, give its admission ticket back, then acknowledge it."""
+        reason, count it, give its admission ticket back and acknowledge it: one script, so a
+        Redis killed in the middle, or a retry after a lost reply, never moves it twice (an
+        entry no longer pending was moved already)."""
         log.warning("dead letter %s %s: %s %s", self.stream, entry_id, reason, detail)
-        async with self.client.pipeline(transaction=True) as pipe:  # one slot: the run's hash tag
-            pipe.xadd(self.keys.dead_letters, {b"reason": reason, b"detail": detail[:1000], b"stream": self.stream,
-                                               b"entry": entry_id, b"data": data or b""},
-                      maxlen=max_len, approximate=True)
-            pipe.hincrby(self.keys.counts, f"dead:{reason}", 1)
-            pipe.decr(self.keys.tickets_accepted)
-            await pipe.execute()
-        await self.ack([entry_id])
+        keys = [self.stream, self.keys.dead_letters, self.keys.counts, self.keys.tickets_accepted]
+        await self.client.eval(_DEAD_LETTER_LUA, len(keys), *keys, self.group, entry_id, max_len, reason,
+                               detail[:1000], self.stream, data or b"")
 
     async def claim_idle(self, min_idle_ms: int, held: Container[str] = (), count: int = 100) -> list[Entry]:
         """Claim entries pending longer than `min_idle_ms` that nobody is working on: those of

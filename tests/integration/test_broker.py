@@ -146,6 +146,11 @@ def test_dead_letter_keeps_payload_and_reason(redis_server_url, run_name):
             assert fields[b"entry"] == entry.encode() and fields[b"stream"] == s.keys.rollouts().encode()
             assert await s.client.xlen(s.keys.rollouts()) == 0
             assert await s.client.hget(s.keys.counts, "dead:undecodable") == b"1"
+            # Again (a retry after a lost reply, or after Redis restarted mid-move): moved once.
+            await s.consumer.dead_letter(got, data, "undecodable", "not a msgpack message")
+            assert await s.client.xlen(s.keys.dead_letters) == 1
+            assert await s.client.hget(s.keys.counts, "dead:undecodable") == b"1"
+            assert await s.client.get(s.keys.tickets_accepted) == b"-1"  # its ticket came back once
     run(scenario())
 
 
