@@ -15,7 +15,6 @@ import asyncio
 import contextlib
 import contextvars
 import logging
-import os
 import tempfile
 import time
 from typing import AsyncIterator, Awaitable, Callable
@@ -23,7 +22,7 @@ from typing import AsyncIterator, Awaitable, Callable
 import msgpack
 
 from broker.retry import RetryPolicy
-from broker.weights import Announcements, WeightStore, WeightVersionError
+from broker.weights import Announcements, WeightStore, WeightVersionError, discard
 from common.logs import first_line
 
 log = logging.getLogger(__name__)
@@ -212,9 +211,7 @@ async def apply_newest(store: WeightStore, gate: WeightGate, load_path: Callable
     try:
         await gate.apply(record["version"], lambda: load_path(path))
     finally:
-        if path != record.get("path"):  # our copy or link, never the shared file itself
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(path)
+        discard(record, path)
     log.info("applied weight version %d (step %d, %d bytes)", record["version"], record["step"], record["nbytes"])
     return True
 

@@ -147,8 +147,7 @@ class WeightStore:
         else:
             raise WeightVersionError(f"weights of version {version} travel by {record['transport']}, not in a blob")
         if await asyncio.to_thread(os.path.getsize, path) != record["nbytes"] or digest != record["sha256"]:
-            if path != record.get("path"):
-                os.unlink(path)
+            discard(record, path)
             raise WeightVersionError(f"weights of version {version} fail their checksum")
         return path
 
@@ -160,8 +159,7 @@ class WeightStore:
                 with open(path, "rb") as f:
                     return f.read()
             finally:
-                if path != record.get("path"):
-                    os.unlink(path)
+                discard(record, path)
 
 
 def _sha256(data: bytes) -> str:
@@ -197,6 +195,14 @@ def _write_atomic(path: str, blob: bytes) -> None:
 
 READERS = "readers"  # weights.dir/readers: receivers' hard links to the versions they are loading
 READER_LINK_KEPT_S = 3600.0  # a link this old was left by a receiver that died while loading
+
+
+def discard(record: dict[str, Any], path: str) -> None:
+    """Delete what `fetch_to` returned for `record` once it is loaded: the receiver's own copy
+    or link, never the shared file itself (a filesystem without hard links hands that out)."""
+    if path != record.get("path"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def _pin(path: str) -> str | None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from common.config import Config
+from common.logs import first_line
 
 MIN_REDIS = (6, 2)  # XAUTOCLAIM and the Lua the broker runs
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -314,8 +315,7 @@ def doctor_report(results: list[Result], as_json: bool) -> str:
 # --- helpers ---------------------------------------------------------------------------
 
 def _first(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0][:300] if text else type(exc).__name__
+    return first_line(exc)[:300]
 
 
 def _where(url: str) -> str:

@@ -13,11 +13,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
+from benchmarks.common import wait_http
 from broker.embedded import EmbeddedRedis, free_port
 from tests.e2e.test_omrl_run import processes_mentioning
 
@@ -47,14 +47,7 @@ def env_url():
     server = subprocess.Popen([sys.executable, "-m", "envs", "--env", "letters", "--port", str(port)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1)
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "the env server did not start"
-                time.sleep(0.2)
+        wait_http(port, server, timeout=30)
         yield f"http://127.0.0.1:{port}"
     finally:
         server.terminate()
