@@ -33,13 +33,18 @@ class TurnFormat(Protocol):
 
     def next_turn(self, generated_ids: list[int], observation: str) -> list[int]: ...
 
+    def agent_turn(self, text: str) -> list[int]:
+        """The tokens a model that wrote `text` as its turn samples: the text's canonical tokens
+        and the end of turn it stops on (what oracle and imported trajectories are trained on)."""
+
 
 class PlainFormat:
     """No template: the system text, then the first observation, then each later observation
     as it comes, each encoded without special tokens."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = ()):
         self.tokenizer = tokenizer
+        self.stop = stop
 
     def _encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
@@ -49,6 +54,12 @@ class PlainFormat:
 
     def next_turn(self, generated_ids: list[int], observation: str) -> list[int]:
         return self._encode(observation)
+
+    def agent_turn(self, text: str) -> list[int]:
+        """The text and the first stop string (actor.stop), or the end-of-sequence token."""
+        if self.stop:
+            return self._encode(text + self.stop[0])
+        return self._encode(text) + [self.tokenizer.eos_token_id]
 
 
 class ChatFormat:
@@ -69,6 +80,11 @@ class ChatFormat:
 
     def next_turn(self, generated_ids: list[int], observation: str) -> list[int]:
         return self._missing_suffix(generated_ids) + self._user_turn(observation)
+
+    def agent_turn(self, text: str) -> list[int]:
+        """The text's tokens and the first token of the assistant suffix (ChatML: <|im_end|>, the
+        tiny template: "\\n"), where the model stops; the rest of the suffix is context."""
+        return self.tokenizer.encode(text, add_special_tokens=False) + self.assistant_suffix[:1]
 
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> list[int]:
         return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
@@ -102,9 +118,11 @@ class ChatFormat:
         return self._rest(turn, self._base, "a new user turn")
 
 
-def make_format(tokenizer, chat_template: Literal["auto", "none"]) -> TurnFormat:
-    """actor.chat_template: auto uses the tokenizer's template where it has one."""
+def make_format(tokenizer, chat_template: Literal["auto", "none"], stop: list[str] | tuple[str, ...] = ()
+                ) -> TurnFormat:
+    """actor.chat_template: auto uses the tokenizer's template where it has one; `stop` (actor.stop)
+    ends a plain-text turn."""
     # Tokenizers that are not Hugging Face's (vLLM's Mistral one) may have no such attribute.
     if chat_template == "auto" and getattr(tokenizer, "chat_template", None):
         return ChatFormat(tokenizer)
-    return PlainFormat(tokenizer)
+    return PlainFormat(tokenizer, stop)

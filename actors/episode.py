@@ -110,7 +110,7 @@ class EpisodeSetup:
     """How turns become context tokens: chosen once from actor.chat_template and the tokenizer."""
 
     def __post_init__(self) -> None:
-        self.format = make_format(self.tokenizer, self.cfg.chat_template)
+        self.format = make_format(self.tokenizer, self.cfg.chat_template, self.cfg.stop)
 
     @property
     def system(self) -> str:
@@ -126,7 +126,12 @@ def state_key(result: StepResult) -> str:
     return hashlib.blake2b(str(key).encode(), digest_size=8).hexdigest()
 
 
-async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int) -> Sample:
+async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
+                      transcript: list[dict[str, str]] | None = None) -> Sample:
+    """One episode of `task_idx`. With `transcript`, the conversation is appended to it as the
+    token buffer takes it in (AgentGym's `from`/`value` turns: system, human, gpt), so that
+    `actors.trajectories.tokenize` rebuilds the buffer's tokens from it."""
+    note = transcript.append if transcript is not None else (lambda turn: None)
     cfg, env, spec = setup.cfg, setup.env, setup.env.spec
     started = time.monotonic()
     gen_s = env_s = 0.0
@@ -141,6 +146,9 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int) -> Sam
         observation, total = first.observation, first.reward
         state = state_key(first)
         buf.add_context(setup.format.first_prompt(setup.system, observation))
+        if setup.system:
+            note({"from": "system", "value": setup.system})
+        note({"from": "human", "value": observation})
         for _turn in range(cfg.max_turns):
             budget = min(cfg.max_tokens, cfg.max_seq_len - len(buf))
             if budget <= 0:
@@ -153,6 +161,7 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int) -> Sam
             buf.add_generated(turn.generation.token_ids, turn.generation.logprobs, turn.version)
             text = setup.tokenizer.decode(turn.generation.token_ids, skip_special_tokens=True)
             action = turn.action if turn.action is not None else setup.template.parse(text)
+            note({"from": "gpt", "value": turn.action if turn.action is not None else text})
             valid.append(action is not None)
             if action is None:  # AgentGym's convention: no server call
                 turn_rewards.append(0.0)
@@ -174,6 +183,7 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int) -> Sam
                 finish = "context"
                 break
             buf.add_context(context_ids)
+            note({"from": "human", "value": next_text})
     finally:
         await env.close_quietly(env_id)
     episode = Episode(turn_rewards=turn_rewards, valid_actions=valid, success=spec.succeeded(done, total, info),

@@ -44,7 +44,7 @@ class ServerPolicy:
     async def act(self, tokens: list[int], budget: int, env_id: int) -> Turn:
         env = self.setup.env
         action = await (env.oracle_action(env_id) if self.kind == "oracle" else env.random_action(env_id))
-        ids = self.setup.tokenizer.encode(action + "\n", add_special_tokens=False)
+        ids = self.setup.format.agent_turn(action)
         return Turn(Generation(ids, [0.0] * len(ids), "stop"), -1, action=action)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from typing import Callable
 
@@ -46,3 +47,11 @@ def pin_cpus(cpus: list[int], field: str) -> None:
         raise SystemExit(2)
     os.sched_setaffinity(0, cpus)
     logging.getLogger("config").info("pinned to CPUs %s (%s)", cpus, field)
+
+
+def stop_on_sigterm() -> None:
+    """SIGTERM ends a foreground command as Ctrl-C does: KeyboardInterrupt, so its `finally`
+    blocks run and what it started (a vLLM engine's processes, child commands) stops with it."""
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+    signal.signal(signal.SIGTERM, interrupt)

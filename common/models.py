@@ -6,8 +6,10 @@ built here and saved with `save_pretrained` so that nothing is ever downloaded.
 
 from __future__ import annotations
 
+import json
 import string
 from pathlib import Path
+from typing import Iterable
 
 TINY_EOS = "<|endoftext|>"
 TINY_CHARS = "\n" + string.ascii_lowercase + string.ascii_uppercase + string.digits + " .,:;!?'\"-+*/=()<>[]_#"
@@ -36,21 +38,44 @@ def build_char_tokenizer():
     vocab = {byte_to_symbol[ord(ch)]: i for i, ch in enumerate(TINY_CHARS)}
     return Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token=TINY_EOS, pad_token=TINY_EOS)
 
+def build_word_tokenizer(texts: Iterable[str], max_words: int = 4096):
+    """A word-level tokenizer for the text an env speaks: a byte-level BPE of the Qwen2 kind
+    whose merges are learned from `texts` until every word they contain is one token (a word
+    with its leading space: " ball"). Text it has not seen still encodes, byte by byte, and
+    every token decodes to exactly its text, so actions parse and episodes re-tokenise as with
+    any Qwen2 tokenizer; a BabyAI episode is a few hundred tokens instead of thousands of
+    characters. Like the character one it loads the same way in transformers and vLLM."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2Tokenizer
+
+    pre_tokenizer = build_char_tokenizer().backend_tokenizer.pre_tokenizer  # Qwen2's word split
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=len(alphabet) + max_words, min_frequency=1, initial_alphabet=alphabet,
+                                  show_progress=False, special_tokens=[])
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizer
+    bpe.train_from_iterator(texts, trainer)
+    trained = json.loads(bpe.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    return Qwen2Tokenizer(vocab=trained["vocab"], merges=merges, unk_token=None, eos_token=TINY_EOS,
+                          pad_token=TINY_EOS)
+
+
 TINY_MAX_POSITIONS = 4096  # the tiny model's context
 
 
 def init_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, heads: int = 2, seed: int = 0,
-                    tie_embeddings: bool = False) -> Path:
-    """Build a small Qwen2-architecture causal LM with random weights and a character
-    tokenizer with TINY_CHAT_TEMPLATE, and save both to `out_dir` with `save_pretrained`."""
+                    tie_embeddings: bool = False, tokenizer=None, intermediate: int | None = None) -> Path:
+    """Build a small Qwen2-architecture causal LM with random weights and `tokenizer` (default:
+    the character one) with TINY_CHAT_TEMPLATE, and save both to `out_dir` with `save_pretrained`."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
-    tokenizer = build_char_tokenizer()
+    tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer()
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=2 * hidden,
+        vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
         max_position_embeddings=TINY_MAX_POSITIONS, tie_word_embeddings=tie_embeddings, rope_theta=10000.0,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,

@@ -48,12 +48,37 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory (config.toml, checkpoints/)")
     p.add_argument("out", metavar="OUT", help="a new (or empty) directory")
     p.add_argument("--step", type=int, help="the checkpoint of this learner step (default: the newest)")
-    p = sub.add_parser("init-model", help="build the tiny Qwen2 model and character tokenizer in DIR")
+    p = sub.add_parser("init-model", help="build a tiny Qwen2 model with random weights and its tokenizer in DIR")
     p.add_argument("dir")
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, help="the MLP's width (default: 2 x hidden)")
     p.add_argument("--tie-embeddings", action="store_true", help="one matrix for the input embedding and output layer")
+    p.add_argument("--tokenizer", choices=("char", "word"), default="char",
+                   help="char: one token per character; word: one token per word of --env's text")
+    p.add_argument("--env", help="the env whose text the word tokenizer learns (played by its oracle and random policy)")
+    p.add_argument("--tasks", help="task files directory: the word tokenizer reads episodes of its train split")
+    p.add_argument("--env-episodes", type=int, default=400, help="episodes of --env's text to learn the words from")
+    p = sub.add_parser("collect", help="play an env's oracle (or random policy) and write the episodes as a "
+                       "trajectory file (parquet)")
+    from deploy.trajectories import add_collect_args, add_import_args
+
+    add_config_args(p)
+    add_collect_args(p)
+    p = sub.add_parser("import-trajectories", help="AgentGym / OpenManus-RL conversation files (JSON, JSON lines) to "
+                       "a trajectory file")
+    add_config_args(p)
+    add_import_args(p)
+    p = sub.add_parser("sft", help="supervised fine-tuning on trajectory files, with a held-out success curve")
+    from deploy.sft import add_args as add_sft_args
+
+    add_config_args(p)
+    add_sft_args(p)
+    p = sub.add_parser("demo", help="a recipe end to end: oracle data, SFT, async RL, evaluation before and after")
+    from deploy.demo import add_args as add_demo_args
+
+    add_demo_args(p)
     # The role commands hand their arguments to the role's own parser.
     for name, help_text in (("env-server", "serve a built-in env over HTTP (AgentGym 'id' protocol)"),
                             ("actor", "run one rollout actor"), ("learner", "run the learner")):
@@ -73,10 +98,23 @@ def main(argv: list[str] | None = None) -> None:
         return
     args = parser.parse_args(argv)
     if args.command == "init-model":
-        from common.models import init_tiny_model
+        sys.exit(_init_model(args))
+    elif args.command == "collect":
+        from deploy.trajectories import collect_main
 
-        print(init_tiny_model(args.dir, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                              tie_embeddings=args.tie_embeddings))
+        sys.exit(collect_main(args))
+    elif args.command == "import-trajectories":
+        from deploy.trajectories import import_main
+
+        sys.exit(import_main(args))
+    elif args.command == "sft":
+        from deploy.sft import main as sft_main
+
+        sys.exit(sft_main(args))
+    elif args.command == "demo":
+        from deploy.demo import main as demo_main
+
+        sys.exit(demo_main(args))
     elif args.command == "export":
         from common.logs import setup_logging
         from deploy.export import export
@@ -86,10 +124,12 @@ def main(argv: list[str] | None = None) -> None:
     elif args.command == "status":
         sys.exit(_status(args))
     elif args.command == "eval":
+        from common.cli import stop_on_sigterm
         from common.logs import setup_logging
         from deploy.evaluate import main as eval_main
 
         setup_logging("eval", "INFO", sys.stderr)  # stdout is the table or the JSON
+        stop_on_sigterm()
         sys.exit(eval_main(args))
     elif args.command == "bench":
         from benchmarks.run import main as bench_main
@@ -110,6 +150,24 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(run(args))
     elif args.command == "doctor":
         sys.exit(_doctor(args))
+
+
+def _init_model(args: argparse.Namespace) -> int:
+    from common.models import build_word_tokenizer, init_tiny_model
+
+    tokenizer = None
+    if args.tokenizer == "word":
+        if not args.env:
+            print("error: --tokenizer word learns its words from an env's text: pass --env NAME", file=sys.stderr)
+            return 2
+        from envs.corpus import env_texts
+        from envs.tasks import task_split
+
+        train, _test = task_split(EnvConfig(name=args.env, tasks=args.tasks))
+        tokenizer = build_word_tokenizer(env_texts(args.env, train, episodes=args.env_episodes))
+    print(init_tiny_model(args.dir, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                          tie_embeddings=args.tie_embeddings, tokenizer=tokenizer, intermediate=args.intermediate))
+    return 0
 
 
 ROLE_WAIT_S = 30.0  # a role started beside its servers (compose, Kubernetes) gives them this to come up

@@ -49,13 +49,13 @@ def main(args: argparse.Namespace) -> int:
     if args.out:
         Path(args.out).write_text(text + "\n")
     if args.json:
-        print(text)
+        print(text, flush=True)
     else:
         from actors.evaluate import TABLE_HEADER
 
         print(TABLE_HEADER)
         for r in results:
-            print(r.row())
+            print(r.row(), flush=True)
     return 0
 
 
@@ -70,7 +70,7 @@ async def _evaluate_all(cfg: Config, args: argparse.Namespace):
     from envs.tasks import task_split
 
     engine = _engine(cfg) if args.policy == "model" else None
-    tokenizer = engine.tokenizer if engine else _tokenizer(cfg)
+    tokenizer = engine.tokenizer if engine else tokenizer_of(cfg)
     results = []
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
@@ -78,7 +78,7 @@ async def _evaluate_all(cfg: Config, args: argparse.Namespace):
                 env_cfg = cfg.env.model_copy(update={"name": name, "tasks": args.tasks or cfg.env.tasks})
                 _train, test = task_split(env_cfg)
                 tasks = list(test)[:args.episodes]
-                async with _env_server(name, cfg, args.env_url) as url:
+                async with env_server(name, cfg, args.env_url) as url:
                     client = EnvClient(url, session, cfg.env.timeout_s, spec_for(name, cfg.env.protocol))
                     setup = EpisodeSetup(client, tokenizer, cfg.actor, make_template(cfg.actor.action_template), name)
                     policy = (PinnedModelPolicy(engine, version=0, temperature=args.temperature) if engine
@@ -92,7 +92,7 @@ async def _evaluate_all(cfg: Config, args: argparse.Namespace):
 
 
 @contextlib.asynccontextmanager
-async def _env_server(name: str, cfg: Config, url: str | None):
+async def env_server(name: str, cfg: Config, url: str | None):
     if url:
         yield url
         return
@@ -108,13 +108,75 @@ async def _env_server(name: str, cfg: Config, url: str | None):
         await runner.cleanup()
 
 
+class ModelPlayer:
+    """A vLLM engine on cfg.model.path and our env server for one env, in this process: the model
+    plays lists of tasks greedily (`play`), on the weights it was started with or on weights
+    loaded in place (`load`), as an actor's engine takes a new version."""
+
+    def __init__(self, cfg: Config, env_name: str):
+        self.cfg, self.env_name = cfg, env_name
+
+    async def __aenter__(self) -> "ModelPlayer":
+        import aiohttp
+
+        from actors.episode import EpisodeSetup
+        from actors.templates import make_template
+        from envs.client import EnvClient
+        from envs.specs import spec_for
+
+        cfg = self.cfg
+        self._stack = contextlib.AsyncExitStack()
+        await self._stack.__aenter__()
+        self.engine = _engine(cfg)
+        self._stack.callback(self._shutdown)
+        session = await self._stack.enter_async_context(
+            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)))
+        url = await self._stack.enter_async_context(env_server(self.env_name, cfg, None))
+        client = EnvClient(url, session, cfg.env.timeout_s, spec_for(self.env_name, cfg.env.protocol))
+        self.setup = EpisodeSetup(client, self.engine.tokenizer, cfg.actor, make_template(cfg.actor.action_template),
+                                  self.env_name)
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self._stack.__aexit__(*exc)
+
+    def _shutdown(self) -> None:
+        self.engine.shutdown()
+        self.engine = None  # dropped now: vLLM's finaliser fails if it first runs at interpreter exit
+
+    async def load(self, state: dict) -> None:
+        """Weights named as in Hugging Face (a state dict of the causal LM), loaded in place."""
+        import tempfile
+
+        from safetensors.torch import save_file
+
+        with tempfile.TemporaryDirectory() as tmp:
+            path = f"{tmp}/weights.safetensors"
+            save_file({k: v.contiguous() for k, v in state.items()}, path)
+            await self.engine.load_weights(path)
+
+    async def play(self, tasks: list[int], version: int = 0, temperature: float = 0.0):
+        from actors.evaluate import PinnedModelPolicy, evaluate
+
+        result = await evaluate(self.setup, PinnedModelPolicy(self.engine, version, temperature), tasks, "model")
+        log.info("%s, %d held-out tasks: success %.3f [%.3f, %.3f]", self.env_name, result.episodes, result.success,
+                 *result.success_ci)
+        return result
+
+
+def eval_row(result) -> dict:
+    """An EvalResult as metrics (the keys the learner's evaluations use)."""
+    return {"eval/success": result.success, "eval/success_ci": list(result.success_ci), "eval/reward": result.reward,
+            "eval/reward_ci": list(result.reward_ci), "eval/episodes": result.episodes}
+
+
 def _engine(cfg: Config):
     from actors.engine import VLLMEngine
 
     return VLLMEngine(cfg.model, cfg.actor, cfg.model.path, seed=cfg.actor.seed)
 
 
-def _tokenizer(cfg: Config):
+def tokenizer_of(cfg: Config):
     """For the oracle and random policies: the model's tokenizer, or the tiny one."""
     if cfg.model.path:
         from transformers import AutoTokenizer

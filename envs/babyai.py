@@ -23,6 +23,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import logging
+import os
 import random
 from typing import Any
 
@@ -52,11 +53,17 @@ Cell = tuple[int, int]
 
 
 def _minigrid():
+    os.environ.setdefault("PYGAME_HIDE_SUPPORT_PROMPT", "1")  # minigrid imports pygame, which greets on stdout
     try:
         import gymnasium
         import minigrid  # noqa: F401  (registers the BabyAI levels)
     except ImportError as exc:
         raise ImportError(f"the babyai env needs minigrid and gymnasium: pip install openmanus-rl[babyai] ({exc})")
+    # The level generator prints each rejected sample to stdout, where a command's output goes
+    # (`omrl collect` prints its file's path): the module's `print` becomes a debug log line.
+    from minigrid.envs.babyai.core import roomgrid_level
+
+    roomgrid_level.print = lambda *args, **kwargs: log.debug("minigrid: %s", " ".join(map(str, args)))
     return gymnasium
 
 

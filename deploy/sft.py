@@ -1,0 +1,188 @@
+"""`omrl sft`: supervised fine-tuning on trajectory files (`omrl collect`, `omrl
+import-trajectories`, or AgentGym conversation JSON), with a held-out success curve.
+
+Every conversation is tokenised for the model with the actors' turn format (the same tokens
+and loss masks RL trains on); a slice of the episodes is kept apart for a held-out loss. Every
+`--eval-every` epochs (and at the end) the weights go into a vLLM engine, as an actor's would,
+and the model plays the env's held-out tasks greedily, as `omrl eval` does: the success rate
+with its 95% interval is a point of the curve (OUT/sft_metrics.jsonl, OUT/sft_curve.png). The
+output is a model directory (save_pretrained) that `omrl run --model OUT` and `omrl eval` take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import logging
+import random
+import sys
+import time
+from pathlib import Path
+
+from common.cli import config_from_args
+from common.config import Config
+
+log = logging.getLogger("omrl.sft")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--data", action="append", required=True, help="a trajectory file (.parquet, .json, .jsonl); "
+                   "repeatable")
+    p.add_argument("--model", required=True, help="the model to start from, path or hub id (model.path)")
+    p.add_argument("--out", required=True, help="the directory to write the fine-tuned model to")
+    p.add_argument("--epochs", type=float, default=3.0, help="passes over the data (default 3)")
+    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3: a tiny model from scratch)")
+    p.add_argument("--batch-size", type=int, default=32, help="episodes per optimizer step (default 32)")
+    p.add_argument("--warmup", type=int, default=20, help="warm-up steps (default 20)")
+    p.add_argument("--max-tokens-per-microbatch", type=int, default=16384, help="padded tokens per forward")
+    p.add_argument("--holdout", type=float, default=0.05, help="fraction of episodes kept for a held-out loss")
+    p.add_argument("--eval-env", help="env whose held-out tasks the model plays (default: the data's env)")
+    p.add_argument("--eval-episodes", type=int, default=200, help="held-out tasks per evaluation (0: none)")
+    p.add_argument("--eval-every", type=float, default=1.0, help="epochs between evaluations (default 1)")
+    p.add_argument("--tasks", help="task files directory for the evaluation (env.tasks)")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def main(args: argparse.Namespace) -> int:
+    from common.cli import stop_on_sigterm
+    from common.logs import setup_logging
+
+    setup_logging("sft", "INFO", sys.stderr)  # stdout is the output directory
+    stop_on_sigterm()
+    for flag, value, low in (("--epochs", args.epochs, 0.0), ("--lr", args.lr, 0.0), ("--eval-every", args.eval_every, 0.0)):
+        if value <= low:
+            raise SystemExit(f"error: {flag} must be above {low:g}, got {value:g}")
+    if args.batch_size < 1 or args.eval_episodes < 0 or not 0 <= args.holdout < 1:
+        raise SystemExit("error: --batch-size must be at least 1, --eval-episodes at least 0, --holdout in [0, 1)")
+    extra = [f"model.path={json.dumps(args.model)}"] + ([f"env.tasks={json.dumps(args.tasks)}"] if args.tasks else [])
+    cfg = config_from_args(args, extra)
+    print(asyncio.run(fine_tune(cfg, args)), flush=True)
+    return 0
+
+
+def load_examples(cfg: Config, paths: list[str]) -> tuple[list[tuple[list[int], list[int]]], list[str]]:
+    """(tokens, loss_mask) of every episode of the files for the model's tokenizer, and their envs."""
+    from actors.chat import make_format
+    from actors.trajectories import TrajectoryError, read_episodes, tokenize
+    from deploy.evaluate import tokenizer_of
+
+    fmt = make_format(tokenizer_of(cfg), cfg.actor.chat_template, cfg.actor.stop)
+    examples, envs = [], []
+    try:
+        for path in paths:
+            for n, row in enumerate(read_episodes(path)):
+                examples.append(tokenize(fmt, row["conversations"], f"{path}, record {n}"))
+                envs.append(row.get("env"))
+    except TrajectoryError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    if not examples:
+        raise SystemExit(f"error: no episodes in {', '.join(paths)}")
+    return examples, envs
+
+
+async def fine_tune(cfg: Config, args: argparse.Namespace) -> Path:
+    import torch
+
+    from common.metrics import JsonlSink
+    from common.models import load_causal_lm, save_policy
+    from deploy.evaluate import ModelPlayer, eval_row
+    from envs.tasks import task_split
+    from learner.sft import SFTTrainer
+
+    started = time.monotonic()
+    examples, envs = load_examples(cfg, args.data)
+    random.Random(args.seed).shuffle(examples)
+    held = examples[:int(len(examples) * args.holdout)]
+    train = examples[len(held):]
+    eval_env = args.eval_env or next((e for e in envs if e), None)
+    tasks: list[int] = []
+    if args.eval_episodes:
+        if not eval_env:
+            raise SystemExit("error: the data names no env: pass --eval-env NAME (or --eval-episodes 0)")
+        try:
+            tasks = list(task_split(cfg.env.model_copy(update={"name": eval_env}))[1])[:args.eval_episodes]
+        except ValueError as exc:
+            raise SystemExit(f"error: {exc}") from None
+    steps_per_epoch = max(1, len(train) // args.batch_size)
+    total = max(1, round(args.epochs * steps_per_epoch))
+    eval_steps = {min(total, round(k * args.eval_every * steps_per_epoch))
+                  for k in range(1, int(args.epochs / args.eval_every) + 1)} | {total}
+    log.info("%d episodes (%d trained tokens), %d held out; %d steps of %d episodes; evaluating on %s at steps %s",
+             len(train), sum(sum(m) for _t, m in train), len(held), total, args.batch_size, eval_env,
+             sorted(eval_steps) if args.eval_episodes else "none")
+    torch.manual_seed(args.seed)
+    model = load_causal_lm(cfg.model.path)
+    trainer = SFTTrainer(model, args.lr, total, args.warmup, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+                         pad_id=model.config.pad_token_id or 0)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sft_metrics.jsonl").unlink(missing_ok=True)
+    sink = JsonlSink(out / "sft_metrics.jsonl")
+    async with contextlib.AsyncExitStack() as stack:
+        player = await stack.enter_async_context(ModelPlayer(cfg, eval_env)) if tasks else None
+
+        async def held_out(step: int) -> dict:
+            await player.load(trainer.state_dict())
+            return eval_row(await player.play(tasks, step))
+
+        if player is not None:
+            sink.write({"step": 0, "epoch": 0.0, **await held_out(0)})
+        rng = random.Random(args.seed + 1)
+        order: list[int] = []
+        for step in range(1, total + 1):
+            if len(order) < args.batch_size:
+                fresh = list(range(len(train)))
+                rng.shuffle(fresh)
+                order += fresh
+            batch, order = [train[i] for i in order[:args.batch_size]], order[args.batch_size:]
+            metrics = await asyncio.to_thread(trainer.step, batch)
+            if step % 20 == 0 or step == total:
+                log.info("step %d/%d  loss %.4f  lr %.2e  %.0f s", step, total, metrics["sft/loss"],
+                         metrics["sft/lr"], time.monotonic() - started)
+            if step in eval_steps:
+                row = {"step": step, "epoch": step / steps_per_epoch, **metrics}
+                if held:
+                    row["sft/heldout_loss"] = await asyncio.to_thread(trainer.evaluate, held)
+                if player is not None:
+                    row.update(await held_out(step))
+                row["time_s"] = time.monotonic() - started
+                sink.write(row)
+                log.info("step %d: held-out loss %.4f, success %s", step, row.get("sft/heldout_loss", float("nan")),
+                         f"{row['eval/success']:.3f}" if "eval/success" in row else "-")
+    save_policy(model, cfg.model.path, out, trainer.state_dict())
+    sink.close()
+    _plot(out)
+    log.info("wrote %s in %.0f s", out, time.monotonic() - started)
+    return out
+
+
+def _plot(out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from common.metrics import read_jsonl
+
+    rows = read_jsonl(out / "sft_metrics.jsonl")
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
+    losses = [r for r in rows if "sft/heldout_loss" in r]
+    left.plot([r["epoch"] for r in losses], [r["sft/loss"] for r in losses], "o-", label="train (last step)")
+    left.plot([r["epoch"] for r in losses], [r["sft/heldout_loss"] for r in losses], "o-", label="held-out episodes")
+    left.set_title("NLL per agent token")
+    evals = [r for r in rows if "eval/success" in r]
+    if evals:
+        y = [r["eval/success"] for r in evals]
+        ci = [r["eval/success_ci"] for r in evals]
+        right.errorbar([r["epoch"] for r in evals], y, yerr=[[v - c[0] for v, c in zip(y, ci)],
+                                                            [c[1] - v for v, c in zip(y, ci)]], fmt="o-", capsize=3)
+    right.set_title("held-out success, greedy (95% CI)")
+    for ax in (left, right):
+        ax.set_xlabel("epoch")
+        ax.grid(alpha=0.3)
+    left.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "sft_curve.png", dpi=100)
+    plt.close(fig)

@@ -1,0 +1,84 @@
+"""Supervised fine-tuning on trajectories: the negative log-likelihood of the agent's tokens only
+(the loss mask the episode loop builds, the same one RL trains on), scored by the learner's
+PolicyScorer and micro-batched as the learner does: each batch is cut into micro-batches of at
+most `max_tokens_per_microbatch` padded tokens whose gradients are accumulated, every
+micro-batch's loss divided by the batch's trained-token count, so a step equals one forward of
+the whole batch. Pure torch; reading files and evaluating are the caller's (deploy/sft.py).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from learner.batch import microbatches
+from learner.scoring import PolicyScorer
+
+Example = tuple[Sequence[int], Sequence[int]]  # (tokens, loss_mask) of one episode
+
+
+class SFTTrainer:
+    def __init__(self, model: torch.nn.Module, lr: float, total_steps: int, warmup_steps: int = 0,
+                 weight_decay: float = 0.0, grad_clip: float = 1.0, max_tokens_per_microbatch: int = 16384,
+                 vocab_chunk: int = 8192, pad_id: int = 0, device: str = "cpu"):
+        self.device = torch.device(device)
+        self.scorer = PolicyScorer(model, vocab_chunk).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.scorer.parameters(), lr=lr, weight_decay=weight_decay)
+        # Linear warm-up, then cosine decay to a tenth of `lr` at `total_steps`.
+        self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(
+            (s + 1) / max(1, warmup_steps), 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / max(1, total_steps))))))
+        self.grad_clip, self.max_tokens, self.pad_id = grad_clip, max_tokens_per_microbatch, pad_id
+
+    def step(self, examples: Sequence[Example]) -> dict[str, float]:
+        """One optimizer step on `examples`; the mean NLL per trained token and the step's figures."""
+        self.scorer.train()
+        lengths = np.array([len(t) for t, _m in examples])
+        n_train = sum(int(sum(m)) for _t, m in examples)
+        if n_train == 0:
+            raise ValueError("no trained token in the batch: every loss mask is 0")
+        total = 0.0
+        for idx in microbatches(list(range(len(examples))), lengths, self.max_tokens):
+            loss = self._nll([examples[i] for i in idx]) / n_train
+            loss.backward()
+            total += float(loss)
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.scorer.parameters(), self.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.step()
+        return {"sft/loss": total, "sft/trained_tokens": float(n_train), "sft/grad_norm": float(grad_norm),
+                "sft/lr": self.schedule.get_last_lr()[0]}
+
+    @torch.no_grad()
+    def evaluate(self, examples: Sequence[Example]) -> float:
+        """The mean NLL per trained token of `examples` (held-out trajectories)."""
+        self.scorer.eval()
+        lengths = np.array([len(t) for t, _m in examples])
+        total, n = 0.0, 0
+        for idx in microbatches(list(range(len(examples))), lengths, self.max_tokens):
+            part = [examples[i] for i in idx]
+            total += float(self._nll(part))
+            n += sum(int(sum(m)) for _t, m in part)
+        return total / max(1, n)
+
+    def _nll(self, examples: Sequence[Example]) -> torch.Tensor:
+        """The summed negative log-likelihood of the trained tokens of `examples`, padded together."""
+        T = max(len(t) for t, _m in examples)
+        tokens = torch.full((len(examples), T), self.pad_id, dtype=torch.long)
+        attention = torch.zeros((len(examples), T), dtype=torch.long)
+        trained = torch.zeros((len(examples), T), dtype=torch.bool)
+        for i, (t, m) in enumerate(examples):
+            tokens[i, :len(t)] = torch.as_tensor(t)
+            attention[i, :len(t)] = 1
+            trained[i, :len(m)] = torch.as_tensor(m, dtype=torch.bool)
+        trained[:, 0] = False  # the first token has nothing to be predicted from
+        rows = trained.nonzero().to(self.device)  # (M, 2)
+        logp, _entropy, _values = self.scorer(tokens.to(self.device), attention.to(self.device), rows,
+                                              torch.ones(len(rows), device=self.device))  # (M,)
+        return -logp.sum()
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The causal LM's weights, named as in Hugging Face (what `save_pretrained` and vLLM take)."""
+        return {k: v.detach() for k, v in self.scorer.lm.state_dict().items()}

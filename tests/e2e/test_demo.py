@@ -1,0 +1,60 @@
+"""`omrl demo babyai` at a small scale, end to end: the word-level model, the oracle's episodes,
+SFT, the evaluation before, the async RL loop (`omrl run` from the SFT model), the export, the
+evaluation after, and the report. SFT on 300 oracle episodes of level 1 must play the held-out
+tasks better than the random policy does on the same tasks (measured here too)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from common.metrics import read_jsonl
+
+pytest.importorskip("minigrid", reason="the babyai extra is not installed (pip install openmanus-rl[babyai])")
+pytestmark = [pytest.mark.babyai, pytest.mark.vllm, pytest.mark.slow]
+
+
+def test_a_small_demo_fine_tunes_above_the_random_policy_then_runs_rl(tmp_path):
+    out = tmp_path / "demo"
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "demo", "babyai", "--out", str(out), "--levels", "1",
+                           "--rl-levels", "1", "--train-seeds", "300", "--episodes", "300", "--eval-episodes", "100",
+                           "--sft-epochs", "4", "--sft-batch-size", "16", "--rl-steps", "3"],
+                          capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "| 1 GoToRedBallGrey (RL) | 100 |" in done.stdout and "Wall time" in done.stdout
+    stages = json.loads((out / "stages.json").read_text())
+    assert list(stages) == ["tasks", "model", "collect", "sft", "before", "rl", "after"]
+    before = json.loads((out / "before.json").read_text())["1"]
+    after = json.loads((out / "after.json").read_text())["1"]
+    assert before["episodes"] == after["episodes"] == 100
+
+    # The random policy on the same held-out tasks (the demo's config: its turn cap).
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "eval", "--config", str(out / "config.toml"), "--env",
+                           "babyai", "--tasks", str(out / "tasks" / "level-1"), "--policy", "random", "--episodes",
+                           "100", "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    [random_policy] = json.loads(done.stdout)
+    curve = [r for r in read_jsonl(out / "sft" / "sft_metrics.jsonl") if "eval/success" in r]
+    print(f"held-out success: untrained {curve[0]['eval/success']:.2f}, after SFT {before['success']:.2f} "
+          f"{before['success_ci']}, after RL {after['success']:.2f}; random policy {random_policy['success']:.2f} "
+          f"{random_policy['success_ci']}")
+    assert before["success_ci"][0] > random_policy["success_ci"][1]
+    assert curve[0]["eval/success"] < curve[-1]["eval/success"] and curve[-1]["sft/heldout_loss"] < 1.0
+
+    # RL ran from the SFT model for its steps and wrote a model; the report has its plot.
+    rl = read_jsonl(out / "rl" / "metrics.jsonl")
+    assert [r["step"] for r in rl][-1] == 3
+    assert (out / "rl-model" / "config.json").is_file() and (out / "demo.png").is_file()
+    report = json.loads((out / "report.json").read_text())
+    assert report["rl_levels"] == [1] and set(report["times_s"]) == set(stages)
+
+    # Run again, it does nothing twice: every stage is skipped, the report is the same table.
+    table = (out / "report.md").read_text().splitlines()[:3]
+    again = subprocess.run([sys.executable, "-m", "deploy.cli", "demo", "babyai", "--out", str(out), "--levels", "1",
+                            "--rl-levels", "1"], capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.splitlines()[:3] == table
+    assert "ran in an earlier invocation" in again.stdout
