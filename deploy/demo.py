@@ -3,7 +3,7 @@
     1. tasks      BabyAI levels (default 1 GoToRedBallGrey, 4 GoToObjS6, 5 GoToLocalS8N7), in
                   AgentGym's indexing (task i: level i % 40 + 1, seed i // 40); seeds of the test
                   range never appear in training
-    2. model      a ~1M-parameter Qwen2 from scratch with a word tokenizer learned from BabyAI's text
+    2. model      a 0.76M-parameter Qwen2 from scratch with a word tokenizer learned from BabyAI's text
     3. collect    the oracle's episodes on the train split (`omrl collect`)
     4. sft        supervised fine-tuning on them (`omrl sft`), with a held-out success curve
     5. before     the SFT model plays 1,000 held-out episodes per level, greedily
@@ -13,8 +13,9 @@
     8. report     OUT/report.md (the table with 95% intervals, the wall time of each stage),
                   OUT/report.json, OUT/demo.png (SFT curve, RL curve, before/after)
 
-Each stage is a command of its own run as a child process (its log under OUT/logs); a stage whose
-output exists is skipped, so an interrupted demo goes on where it stopped (--fresh starts over).
+Each stage but the evaluations is a command of its own, run as a child process (its log under
+OUT/logs); a stage recorded as done in OUT/stages.json is skipped, so an interrupted demo goes on
+where it stopped (--fresh starts over).
 """
 
 from __future__ import annotations
