@@ -248,11 +248,11 @@ def plot_demo(out: Path, levels: list[int], before: dict, after: dict) -> Path:
     import matplotlib.pyplot as plt
 
     from common.metrics import read_jsonl
-    from deploy.plots import _rolling_mean
+    from deploy.plots import _rolling_mean, errorbar_ci
 
     fig, (sft_ax, rl_ax, bar_ax) = plt.subplots(1, 3, figsize=(15, 3.8))
     sft = [r for r in read_jsonl(out / "sft" / "sft_metrics.jsonl") if "eval/success" in r]
-    _errorbar(sft_ax, [r["epoch"] for r in sft], [r["eval/success"] for r in sft],
+    errorbar_ci(sft_ax, [r["epoch"] for r in sft], [r["eval/success"] for r in sft],
               [r["eval/success_ci"] for r in sft], "o-")
     sft_ax.set(title="SFT: held-out success, all levels (greedy)", xlabel="epoch")
     rl = read_jsonl(out / "rl" / "metrics.jsonl")
@@ -266,7 +266,7 @@ def plot_demo(out: Path, levels: list[int], before: dict, after: dict) -> Path:
         ys = [results[str(level)]["success"] for level in levels]
         cis = [results[str(level)]["success_ci"] for level in levels]
         bar_ax.bar([i + shift for i in x], ys, width=0.4, label=label)
-        _errorbar(bar_ax, [i + shift for i in x], ys, cis, "none", color="black")
+        errorbar_ci(bar_ax, [i + shift for i in x], ys, cis, "none", color="black")
     bar_ax.set_xticks(list(x), [f"{level} {level_name(level)}" for level in levels], fontsize=8)
     bar_ax.set(title="held-out success per level (95% CI)", ylim=(0, 1))
     bar_ax.legend(fontsize=8, loc="lower right")
@@ -277,11 +277,6 @@ def plot_demo(out: Path, levels: list[int], before: dict, after: dict) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-
-
-def _errorbar(ax, x, y, ci, fmt, **kw) -> None:
-    ax.errorbar(x, y, yerr=[[v - c[0] for v, c in zip(y, ci)], [c[1] - v for v, c in zip(y, ci)]], fmt=fmt,
-                capsize=3, **kw)
 
 
 def _pct(r: dict) -> str:

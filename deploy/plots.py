@@ -31,13 +31,18 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path) -> Path:
         for key, label in (("eval/reward", "mean reward"), ("eval/success", "success rate")):
             ci = [r[f"{key}_ci"] for r in evals]
             y = [r[key] for r in evals]
-            ax.errorbar(x, y, yerr=[[v - c[0] for v, c in zip(y, ci)], [c[1] - v for v, c in zip(y, ci)]],
-                        fmt="o-", capsize=3, label=label)
+            errorbar_ci(ax, x, y, ci, "o-", label=label)
         _finish(ax, "held-out tasks, greedy (95% CI)")
     fig.tight_layout()
     fig.savefig(out_path, dpi=100)
     plt.close(fig)
     return Path(out_path)
+
+
+def errorbar_ci(ax, x, y, ci, fmt, **kw) -> None:
+    """Points `y` with their intervals `ci` ((low, high) each) as error bars."""
+    ax.errorbar(x, y, yerr=[[v - c[0] for v, c in zip(y, ci)], [c[1] - v for v, c in zip(y, ci)]], fmt=fmt,
+                capsize=3, **kw)
 
 
 def _finish(ax, title: str) -> None:

@@ -165,6 +165,7 @@ def _plot(out: Path) -> None:
     import matplotlib.pyplot as plt
 
     from common.metrics import read_jsonl
+    from deploy.plots import errorbar_ci
 
     rows = read_jsonl(out / "sft_metrics.jsonl")
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.5))
@@ -176,8 +177,7 @@ def _plot(out: Path) -> None:
     if evals:
         y = [r["eval/success"] for r in evals]
         ci = [r["eval/success_ci"] for r in evals]
-        right.errorbar([r["epoch"] for r in evals], y, yerr=[[v - c[0] for v, c in zip(y, ci)],
-                                                            [c[1] - v for v, c in zip(y, ci)]], fmt="o-", capsize=3)
+        errorbar_ci(right, [r["epoch"] for r in evals], y, ci, "o-")
     right.set_title("held-out success, greedy (95% CI)")
     for ax in (left, right):
         ax.set_xlabel("epoch")
