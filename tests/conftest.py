@@ -11,6 +11,8 @@ import pytest
 
 from broker.embedded import EmbeddedRedis, find_redis_server
 
+pytest_plugins = ["tests.budget"]
+
 
 def _path_redis() -> str | None:
     path = shutil.which("redis-server")

@@ -140,7 +140,9 @@ def test_compose_scales_kills_and_accounts(tmp_path):
         current["slots"] = slots
         return current
 
-    def wait(condition, what: str, timeout: float = 300) -> dict:
+    # Ten minutes for each event: a replica's vLLM start at half a core takes minutes when the
+    # other test worker (pytest-xdist) keeps the machine busy too.
+    def wait(condition, what: str, timeout: float = 600) -> dict:
         deadline = time.monotonic() + timeout
         while True:
             current = status()

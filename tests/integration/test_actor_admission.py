@@ -14,7 +14,7 @@ from broker.embedded import EmbeddedRedis, free_port
 from broker.keys import Keys
 from broker.weights import WeightStore
 
-pytestmark = [pytest.mark.redis, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.redis, pytest.mark.vllm]
 
 B, ETA = 2, 1  # the bound: started < (V + eta + 1) * B
 

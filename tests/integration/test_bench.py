@@ -13,6 +13,7 @@ import pytest
 from benchmarks.run import BENCHMARKS
 
 
+@pytest.mark.slow
 def test_bench_all_quick_writes_json_plots_and_table(tmp_path):
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "bench", "all", "--quick", "--out", str(tmp_path)],
                           capture_output=True, text=True, timeout=900)

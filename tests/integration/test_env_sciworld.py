@@ -15,7 +15,7 @@ pytest.importorskip("scienceworld", reason="the sciworld extra is not installed 
 if shutil.which("java") is None:
     pytest.skip("ScienceWorld needs a Java runtime and there is no `java` on PATH "
                 "(Debian: apt install openjdk-17-jre-headless)", allow_module_level=True)
-pytestmark = [pytest.mark.sciworld, pytest.mark.slow]
+pytestmark = pytest.mark.sciworld
 
 RECORDED = Path(__file__).parent.parent / "data" / "sciworld_agentgym_episodes.json.gz"
 
@@ -48,6 +48,7 @@ def test_replays_agentgym_servers_answers(server):
     post_ok(server, "/close", {"id": env_id})
 
 
+@pytest.mark.slow
 def test_oracle_solves_held_out_tasks_through_our_client(server):
     result = oracle_eval("sciworld", server, 20, "actor.max_turns=80", "actor.max_seq_len=1000000", timeout=900)
     assert result["episodes"] == 20 and result["success"] >= 0.9, result

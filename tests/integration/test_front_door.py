@@ -154,7 +154,6 @@ def test_doctor_against_real_servers(tmp_path, env_url):
         assert "protocol env_idx" in results["env"]["detail"] and "env.protocol" in results["env"]["fix"]
 
 
-@pytest.mark.slow
 def test_a_run_that_cannot_go_on_ends_with_the_process_why_and_its_log(tmp_path):
     """Weights that no loader can read pass the checks (config and tokenizer are there);
     the processes that load them fail, and the run's last line names which, why, and where

