@@ -1,7 +1,12 @@
 """`omrl demo babyai` at a small scale, end to end: the word-level model, the oracle's episodes,
 SFT, the evaluation before, the async RL loop (`omrl run` from the SFT model), the export, the
 evaluation after, and the report. SFT on 300 oracle episodes of level 1 must play the held-out
-tasks better than the random policy does on the same tasks (measured here too)."""
+tasks better than the random policy does on the same tasks (measured here too).
+
+The RL stage is also BabyAI's real-env run through `omrl run` (its env server, a vLLM actor,
+the learner): every group it made is checked as the other real envs' runs are
+(`tests/integration/test_real_env_runs.py`): trained, none dead-lettered, none failed but
+those the end of the run cancels."""
 
 from __future__ import annotations
 
@@ -12,6 +17,7 @@ import sys
 import pytest
 
 from common.metrics import read_jsonl
+from deploy.demo import LEARNER
 
 pytest.importorskip("minigrid", reason="the babyai extra is not installed (pip install openmanus-rl[babyai])")
 pytestmark = [pytest.mark.babyai, pytest.mark.vllm, pytest.mark.slow]
@@ -46,7 +52,11 @@ def test_a_small_demo_fine_tunes_above_the_random_policy_then_runs_rl(tmp_path):
 
     # RL ran from the SFT model for its steps and wrote a model; the report has its plot.
     rl = read_jsonl(out / "rl" / "metrics.jsonl")
-    assert [r["step"] for r in rl][-1] == 3
+    assert [r["step"] for r in rl] == [1, 2, 3]
+    groups = LEARNER["groups_per_step"]
+    assert all(r["batch/groups"] == groups and r["batch/generated_tokens"] > 0 for r in rl), rl
+    books = json.loads((out / "rl" / "accounting.json").read_text())
+    assert set(books["failed"]) <= {"cancelled"} and books["dead_lettered"] == {} and books["trained"] == 3 * groups, books
     assert (out / "rl-model" / "config.json").is_file() and (out / "demo.png").is_file()
     report = json.loads((out / "report.json").read_text())
     assert report["rl_levels"] == [1] and set(report["times_s"]) == set(stages)

