@@ -9,7 +9,8 @@ import dataclasses
 import itertools
 import logging
 import os
-from typing import Any, Callable, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol
 
 from common.config import ActorConfig, ModelConfig
 

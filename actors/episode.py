@@ -10,8 +10,9 @@ plain text.
 Each turn the action template reads the action out of the generated text; one that does
 not parse is answered as AgentGym's clients answer it (no server call, "Invalid Action."
 and the last observation, reward 0). At the end the env's success rule and the configured
-reward functions score the episode. An env failure raises (an `EnvError`); the caller fails
-the episode's whole group.
+reward functions score the episode (they see its task and every turn: envs/rewards.py). An
+env or reward function failure raises (an `EpisodeError`); the caller fails the episode's
+whole group.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from common.config import ActorConfig
 from common.messages import Sample
 from envs.base import StepResult
 from envs.client import EnvClient
-from envs.rewards import Episode, combine
+from envs.rewards import Episode, EpisodeTurn, combine
 
 
 class TokenBuffer:
@@ -106,6 +107,8 @@ class EpisodeSetup:
     cfg: ActorConfig
     template: ActionTemplate
     env_name: str
+    task_data: dict[int, dict] = dataclasses.field(default_factory=dict)
+    """Each task's other task-file columns, which reward functions see (envs.tasks.task_data)."""
     format: TurnFormat = dataclasses.field(init=False)
     """How turns become context tokens: chosen once from actor.chat_template and the tokenizer."""
 
@@ -136,14 +139,14 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
     started = time.monotonic()
     gen_s = env_s = 0.0
     buf = TokenBuffer()
-    turn_rewards: list[float] = []
-    valid: list[bool] = []
+    turns: list[EpisodeTurn] = []
     states: list[str] = []
     finish, done, info = "max_turns", False, {}
     env_id = await env.create()
     try:
         first = await env.reset(env_id, task_idx)
         observation, total = first.observation, first.reward
+        prompt = observation
         state = state_key(first)
         buf.add_context(setup.format.first_prompt(setup.system, observation))
         if setup.system:
@@ -162,17 +165,17 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
             text = setup.tokenizer.decode(turn.generation.token_ids, skip_special_tokens=True)
             action = turn.action if turn.action is not None else setup.template.parse(text)
             note({"from": "gpt", "value": turn.action if turn.action is not None else text})
-            valid.append(action is not None)
             if action is None:  # AgentGym's convention: no server call
-                turn_rewards.append(0.0)
                 next_text = INVALID_ACTION + observation
+                turns.append(EpisodeTurn(text, None, next_text, 0.0, False))
             else:
                 result = await env.step(env_id, spec.tidy(action))
-                turn_rewards.append(result.reward - total if spec.reward_is_total else result.reward)
+                reward = result.reward - total if spec.reward_is_total else result.reward
                 total = result.reward if spec.reward_is_total else total + result.reward
                 observation, done, info = result.observation, result.done, result.info
                 state = state_key(result)
                 next_text = observation
+                turns.append(EpisodeTurn(text, action, observation, reward, done, dict(info)))
             env_s += time.monotonic() - t1
             gen_s += t1 - t0
             if done:
@@ -186,22 +189,23 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
             note({"from": "human", "value": next_text})
     finally:
         await env.close_quietly(env_id)
-    episode = Episode(turn_rewards=turn_rewards, valid_actions=valid, success=spec.succeeded(done, total, info),
-                      generated_tokens=sum(buf.loss_mask), token_budget=cfg.max_turns * cfg.max_tokens,
-                      finish_reason=finish)
+    episode = Episode(turns=turns, success=spec.succeeded(done, total, info), generated_tokens=sum(buf.loss_mask),
+                      token_budget=cfg.max_turns * cfg.max_tokens, finish_reason=finish, task_idx=task_idx,
+                      task=setup.task_data.get(task_idx, {}), env_name=setup.env_name, prompt=prompt)
+    turn_rewards = episode.turn_rewards
     return Sample(
         tokens=np.asarray(buf.tokens, np.int32),
         loss_mask=np.asarray(buf.loss_mask, np.uint8),
         logprobs=np.asarray(buf.logprobs, np.float32),
         versions=np.asarray(buf.versions, np.int32),
-        reward=combine(cfg.rewards, episode),
+        reward=await combine(cfg.rewards, episode, cfg.reward_timeout_s),
         turn_rewards=np.asarray(turn_rewards, np.float32),
         num_turns=len(turn_rewards),
         finish_reason=finish,
         task_id=str(task_idx),
         env_name=setup.env_name,
         success=episode.success,
-        invalid_actions=len(valid) - sum(valid),
+        invalid_actions=len(turns) - sum(episode.valid_actions),
         turn_states=states[:len(turn_rewards)],
         timing={"total_s": time.monotonic() - started, "generate_s": gen_s, "env_s": env_s},
     )

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 from actors.engine import Engine, Generation
 from actors.episode import EpisodeSetup, Policy, Turn, run_episode
 from common.messages import Sample
-from envs.client import EnvError
+from envs.base import EpisodeError
 
 Z95 = 1.959964
 
@@ -61,7 +61,7 @@ class EvalResult:
     turns: float
 
     @classmethod
-    def of(cls, env: str, policy: str, samples: Sequence[Sample]) -> "EvalResult":
+    def of(cls, env: str, policy: str, samples: Sequence[Sample]) -> EvalResult:
         n = len(samples)
         wins = sum(s.success for s in samples)
         rewards = [s.reward for s in samples]
@@ -95,7 +95,7 @@ def wilson(wins: int, n: int) -> tuple[float, float]:
 
 async def evaluate(setup: EpisodeSetup, policy: Policy, tasks: Sequence[int], policy_name: str,
                    concurrency: int = 64) -> EvalResult:
-    """One episode per task, at most `concurrency` at once; an env failure raises (EnvError)."""
+    """One episode per task, at most `concurrency` at once; an env or reward failure raises (EpisodeError)."""
     if not tasks:
         raise ValueError("no tasks to evaluate")
     limit = asyncio.Semaphore(concurrency)
@@ -107,6 +107,6 @@ async def evaluate(setup: EpisodeSetup, policy: Policy, tasks: Sequence[int], po
     try:
         async with asyncio.TaskGroup() as tg:
             episodes = [tg.create_task(one(t)) for t in tasks]
-    except* EnvError as errors:  # the first env failure cancels the rest
+    except* EpisodeError as errors:  # the first failure cancels the rest
         raise errors.exceptions[0] from None
     return EvalResult.of(setup.env_name, policy_name, [e.result() for e in episodes])

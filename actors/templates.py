@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Callable
+
+from common.registry import Registry
 
 INVALID_ACTION = "Invalid Action.\n\n"
 
@@ -34,24 +35,12 @@ class ActionTemplate:
         raise NotImplementedError
 
 
-TEMPLATES: dict[str, type[ActionTemplate]] = {}
-
-
-def register_template(name: str) -> Callable[[type[ActionTemplate]], type[ActionTemplate]]:
-    def deco(cls: type[ActionTemplate]) -> type[ActionTemplate]:
-        if name in TEMPLATES:
-            raise ValueError(f"action template {name!r} is registered twice")
-        TEMPLATES[name] = cls
-        return cls
-    return deco
+TEMPLATES: Registry[type[ActionTemplate]] = Registry("action template", "actor.action_template")
+register_template = TEMPLATES.register
 
 
 def make_template(name: str) -> ActionTemplate:
-    try:
-        return TEMPLATES[name]()
-    except KeyError:
-        raise ValueError(f"unknown action template {name!r}: choose one of {sorted(TEMPLATES)} "
-                         f"(actor.action_template)") from None
+    return TEMPLATES.lookup(name)()
 
 
 @register_template("raw")

@@ -16,12 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from actors.chat import TurnFormat
 from actors.episode import EpisodeSetup, Policy, run_episode
-from envs.client import EnvError
+from envs.base import EpisodeError
 
 ROLES = {"system": "system", "human": "human", "user": "human", "gpt": "gpt", "assistant": "gpt"}
 """AgentGym / ShareGPT `from` and OpenAI `role` names, to ours."""
@@ -74,7 +75,7 @@ def tokenize(fmt: TurnFormat, conversation: Sequence[dict[str, Any]], where: str
 async def collect(setup: EpisodeSetup, policy: Policy, policy_name: str, tasks: Sequence[int],
                   concurrency: int = 32, progress=None) -> list[dict[str, Any]]:
     """One episode per task through the actors' episode loop; the rows of a trajectory file.
-    `progress(done)` is called after each episode. An env failure raises (EnvError)."""
+    `progress(done)` is called after each episode. An env or reward failure raises (EpisodeError)."""
     limit = asyncio.Semaphore(concurrency)
     rows: list[dict[str, Any]] = []
 
@@ -96,7 +97,7 @@ async def collect(setup: EpisodeSetup, policy: Policy, policy_name: str, tasks: 
         async with asyncio.TaskGroup() as tg:
             for t in tasks:
                 tg.create_task(one(t))
-    except* EnvError as errors:
+    except* EpisodeError as errors:
         raise errors.exceptions[0] from None
     rows.sort(key=lambda r: r["task_idx"])
     return rows

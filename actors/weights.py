@@ -17,7 +17,7 @@ import contextvars
 import logging
 import tempfile
 import time
-from typing import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgpack
 

@@ -50,14 +50,15 @@ from broker.membership import Membership
 from broker.retry import REDIS_TRANSIENT, RetryPolicy
 from broker.streams import RolloutProducer
 from broker.weights import WeightStore
-from common.config import Config
+from common.config import Config, require_set
 from common.logs import first_line
 from common.messages import CodecError, RolloutGroup, encode_group
 from common.metrics import JsonlSink
+from envs.base import EpisodeError
 from envs.client import EnvClient, EnvError
 from envs.rewards import check_weights
-from envs.specs import spec_for
-from envs.tasks import task_split
+from envs.specs import spec_of
+from envs.tasks import task_data, task_split
 
 log = logging.getLogger(__name__)
 
@@ -74,18 +75,16 @@ class Actor:
     """`engine` replaces the vLLM engine that `run` builds (tests pass a scripted one)."""
 
     def __init__(self, cfg: Config, index: int | None = 0, engine: Engine | None = None):
-        if not cfg.model.path:
-            raise SystemExit("error: model.path is unset: pass --set model.path=DIR (see `omrl init-model`)")
-        if not cfg.redis.url:
-            raise SystemExit("error: redis.url is unset: pass --set redis.url=redis://HOST:PORT/0")
+        require_set(cfg, "model.path", "redis.url")
         self.cfg, self.index, self.engine = cfg, index, engine
         try:
             self.template = make_template(cfg.actor.action_template)
             check_weights(cfg.actor.rewards)
             self.train_tasks, self.test_tasks = task_split(cfg.env)  # no test task is ever trained on
+            self.task_data = task_data(cfg.env)
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
-        self.spec = spec_for(cfg.env.name, cfg.env.protocol)
+        self.spec = spec_of(cfg.env)
         # The name outlives the process: a restarted actor takes its predecessor's place
         # (membership, and the tickets it left behind come back at once). With no index (a
         # replica of a scaled service) the name is the host's, and the index is a slot that
@@ -146,7 +145,8 @@ class Actor:
                 await self._load_newest_weights()  # start on the current version
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
                 self.env = EnvClient(cfg.env.base_url, session, cfg.env.timeout_s, self.spec)
-                self.setup = EpisodeSetup(self.env, self.tokenizer, cfg.actor, self.template, cfg.env.name)
+                self.setup = EpisodeSetup(self.env, self.tokenizer, cfg.actor, self.template, cfg.env.name,
+                                          self.task_data)
                 self.policy = ModelPolicy(self.engine, self.gate)
                 self.env_up.set()
                 async with asyncio.TaskGroup() as tg:
@@ -207,14 +207,14 @@ class Actor:
                     raise GroupFailed("weights", f"the weights could not be loaded: {first_line(exc)}") from None
 
     async def _run_group(self, task_idx: int) -> RolloutGroup:
-        """G episodes of one task; the first env failure cancels the others and fails the group."""
+        """G episodes of one task; the first env or reward failure cancels the others and fails the group."""
         cfg = self.cfg
         self.in_flight += cfg.actor.group_size
         try:
             async with asyncio.TaskGroup() as tg:
                 episodes = [tg.create_task(run_episode(self.setup, self.policy, task_idx))
                             for _ in range(cfg.actor.group_size)]
-        except* EnvError as errors:
+        except* EpisodeError as errors:
             first = errors.exceptions[0]
             raise GroupFailed(first.reason, str(first)) from None
         finally:
@@ -241,7 +241,7 @@ class Actor:
                     policy = PinnedModelPolicy(self.engine, version, temperature=0.0)
                     try:
                         result = await evaluate(self.setup, policy, tasks, "model")
-                    except EnvError as exc:
+                    except EpisodeError as exc:
                         log.warning("evaluation at version %d failed: %s", version, exc)
                         result = None
                 last = version // every
@@ -292,7 +292,7 @@ class Actor:
         self.producer.ignore_bound = True
         try:
             await asyncio.wait_for(self.producer.flush(), acfg.flush_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             log.warning("stopping with %d groups not written to Redis (Redis unreachable?): their tickets "
                         "come back when they expire", self.producer.buffered)
         flusher.cancel()
@@ -304,7 +304,7 @@ class Actor:
         try:
             if await asyncio.wait_for(self.admission.release(ticket, reason), 2.0):
                 self.failed[reason] += 1
-        except (asyncio.TimeoutError, *REDIS_TRANSIENT) as exc:
+        except (TimeoutError, *REDIS_TRANSIENT) as exc:
             log.warning("could not return ticket %s (%s): it comes back when it expires", ticket, exc)
 
     async def _heartbeat(self) -> None:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import statistics
 import subprocess
-import sys
-import time
-import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+
+from common import retry
+from common.cli import run_omrl
 
 
 def spread(values: list[float]) -> dict:
@@ -52,27 +52,12 @@ def pyplot():
 
 def wait_http(port: int, proc: subprocess.Popen | None = None, timeout: float = 60.0) -> None:
     """Until http://127.0.0.1:port/ answers; fails at once if `proc` (the server) exits."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"the server for port {port} exited with code {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=1):
-                return
-        except OSError:
-            time.sleep(0.2)
-    raise TimeoutError(f"no server on port {port} after {timeout:.0f}s")
+    retry.wait_http(f"http://127.0.0.1:{port}/", timeout, proc.poll if proc is not None else None)
 
 
 def omrl_run(root: Path, name: str, sets: list[str], steps: int) -> Path:
     """`omrl run` to `steps` steps in root/name with these --set overrides, its output in
     root/name.log; the run directory. A failed run raises with the log's tail."""
     run_dir = root / name
-    cmd = [sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir), "--steps", str(steps),
-           *[arg for kv in sets for arg in ("--set", kv)]]
-    with open(root / f"{name}.log", "w") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=30 * 60).returncode
-    if code != 0:
-        tail = (root / f"{name}.log").read_text()[-3000:]
-        raise RuntimeError(f"`omrl run` for {name} exited with {code}:\n{tail}")
+    run_omrl(["run", "--run-dir", str(run_dir), "--steps", str(steps)], root / f"{name}.log", sets, timeout=30 * 60)
     return run_dir

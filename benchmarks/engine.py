@@ -223,11 +223,12 @@ def serve_offline(cfg_json: str) -> None:
 
 def _start_env_server(options: dict, log) -> tuple[subprocess.Popen, int]:
     from broker.embedded import free_port
+    from common.cli import override
 
     port = free_port()
     cmd = [sys.executable, "-m", "envs", "--env", "letters", "--port", str(port), "--set", "run.log_level=WARNING"]
     if options:
-        cmd += ["--set", "env.options={" + ", ".join(f"{k} = {json.dumps(v)}" for k, v in options.items()) + "}"]
+        cmd += ["--set", override("env.options", options)]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log), port
 
 

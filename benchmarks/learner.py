@@ -132,7 +132,7 @@ class PeakRss:
     """Peak resident memory of this process while open, over what it was on entry: a thread
     reads /proc/self/statm every 2 ms (torch releases the GIL in its kernels)."""
 
-    def __enter__(self) -> "PeakRss":
+    def __enter__(self) -> PeakRss:
         gc.collect()
         with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed heap without it
             ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -156,7 +156,7 @@ class PeakRss:
 class PeakCuda:
     """Peak CUDA memory allocated while open, over what was allocated on entry."""
 
-    def __enter__(self) -> "PeakCuda":
+    def __enter__(self) -> PeakCuda:
         import torch
 
         torch.cuda.reset_peak_memory_stats()

@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import omrl_run, pyplot, row
+from common.cli import override
 
 SETTINGS = ["env.name=long_tail", "actor.max_turns=64", "actor.max_seq_len=1024", "run.log_level=WARNING"]
 ETAS = (1, 2, 4, 8)
@@ -45,7 +46,8 @@ QUICK_STEPS = 3
 
 def mode(eta: int | None) -> list[str]:
     """--set overrides of a configuration: eta None is the synchronous baseline."""
-    return ["learner.mode=sync"] if eta is None else ["learner.mode=async", f"learner.eta={eta}"]
+    return [override("learner.mode", "sync")] if eta is None else [override("learner.mode", "async"),
+                                                                   override("learner.eta", eta)]
 
 
 def layout(name: str) -> list[str]:
@@ -54,7 +56,7 @@ def layout(name: str) -> list[str]:
     if name == "shared":
         return []
     first, *rest = sorted(os.sched_getaffinity(0))
-    return [f"learner.cpus=[{first}]", f"actor.cpus={rest}"]
+    return [override("learner.cpus", [first]), override("actor.cpus", rest)]
 
 
 def layouts() -> tuple[str, str]:
@@ -69,7 +71,7 @@ def label(eta: int | None) -> str:
 def run_system(root: Path, name: str, eta: int | None, actors: int, steps: int, cores: str) -> dict:
     """One `omrl run` to `steps` steps with the processes laid out on `cores`; its figures."""
     started = time.monotonic()
-    run_dir = omrl_run(root, name, [*SETTINGS, *mode(eta), *layout(cores), f"actor.num_actors={actors}"], steps)
+    run_dir = omrl_run(root, name, [*SETTINGS, *mode(eta), *layout(cores), override("actor.num_actors", actors)], steps)
     result = figures(run_dir)
     result.update(eta=eta, mode=label(eta), actors=actors, cores=cores, wall_s=time.monotonic() - started)
     print(f"pipeline {name:<24} groups/s {result['groups_per_s']:6.2f}  learner busy {result['learner_busy']:.2f} "

@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import omrl_run, pyplot, row
+from common.cli import override
 
 SETTINGS = ["env.name=grid_nav", "actor.max_tokens=1", "actor.max_turns=8", "run.log_level=WARNING"]
 ETAS = (2, 4, 8)
@@ -39,8 +40,9 @@ def label(eta: int, loss: str) -> str:
 
 
 def settings(eta: int, loss: str, seed: int) -> list[str]:
-    mode = ["learner.mode=sync"] if eta == 0 else ["learner.mode=async", f"learner.eta={eta}"]
-    return [*SETTINGS, *mode, f"learner.loss={loss}", f"learner.seed={seed}", f"actor.seed={100 * seed}"]
+    fields = {"learner.mode": "sync"} if eta == 0 else {"learner.mode": "async", "learner.eta": eta}
+    fields.update({"learner.loss": loss, "learner.seed": seed, "actor.seed": 100 * seed})
+    return [*SETTINGS, *(override(k, v) for k, v in fields.items())]
 
 
 def figures(run_dir: Path, window: int) -> dict:

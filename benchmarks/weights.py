@@ -358,7 +358,7 @@ def _update_modes(args: argparse.Namespace) -> None:
     Path(args.result).write_text(json.dumps({"shape": dataclasses.asdict(shape), "runs": runs}))
 
 
-def measure_update_modes(model: "Model", quick: bool, device: str, log_dir: str) -> dict:
+def measure_update_modes(model: Model, quick: bool, device: str, log_dir: str) -> dict:
     """Run `_update_modes` in a process of its own (vLLM's engine core is a child of it: one
     process group, stopped whole) and return its result."""
     from deploy.supervisor import Process

@@ -7,7 +7,7 @@ from typing import Any
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster
 
-from common.config import RedisConfig
+from common.config import UNSET, RedisConfig
 
 
 def connect(cfg: RedisConfig | str, *, blocking: bool = False) -> Any:
@@ -15,7 +15,7 @@ def connect(cfg: RedisConfig | str, *, blocking: bool = False) -> Any:
     (blocking reads hold their connection for the block time)."""
     cfg = RedisConfig(url=cfg) if isinstance(cfg, str) else cfg
     if not cfg.url:
-        raise ValueError("redis.url is unset: pass --set redis.url=redis://HOST:PORT/0")
+        raise ValueError(f"redis.url is unset: {UNSET['redis.url']}")
     kwargs: dict[str, Any] = dict(decode_responses=False, socket_timeout=None if blocking else 30.0,
                                   socket_connect_timeout=5.0)
     if cfg.url.startswith("rediss://"):

@@ -12,8 +12,9 @@ import signal
 import socket
 import subprocess
 import tempfile
-import time
 from pathlib import Path
+
+from common import retry
 
 log = logging.getLogger(__name__)
 
@@ -65,20 +66,14 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 def wait_until_up(port: int, proc: subprocess.Popen, timeout: float = 10.0) -> None:
     """Wait until the server on `port` answers PING (or says it wants a password);
-    RuntimeError if `proc` exits first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"redis-server exited with {proc.returncode}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
-                sock.sendall(b"PING\r\n")
-                if sock.recv(16).startswith((b"+PONG", b"-NOAUTH")):
-                    return
-        except OSError:
-            pass
-        time.sleep(0.05)
-    raise TimeoutError(f"redis-server did not answer PING on port {port} within {timeout}s")
+    RuntimeError if `proc` exits first, TimeoutError past `timeout`."""
+    def ping() -> None:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as sock:
+            sock.sendall(b"PING\r\n")
+            if not sock.recv(16).startswith((b"+PONG", b"-NOAUTH")):
+                raise ConnectionError("no PONG yet (loading)")
+
+    retry.wait_until_up(ping, f"redis-server on port {port}", timeout, 0.05, proc.poll)
 
 
 class EmbeddedRedis:
@@ -103,7 +98,7 @@ class EmbeddedRedis:
                 "--appendonly", "yes" if self.appendonly else "no", "--dir", self.data_dir,
                 "--daemonize", "no", "--loglevel", "warning", *self.extra_args]
 
-    def start(self, timeout: float = 10.0) -> "EmbeddedRedis":
+    def start(self, timeout: float = 10.0) -> EmbeddedRedis:
         log.info("starting %s on port %d", self.binary, self.port)
         self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         try:
@@ -129,7 +124,7 @@ class EmbeddedRedis:
             self._tmp.cleanup()
             self._tmp = None
 
-    def __enter__(self) -> "EmbeddedRedis":
+    def __enter__(self) -> EmbeddedRedis:
         return self.start()
 
     def __exit__(self, *exc) -> None:

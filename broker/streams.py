@@ -14,7 +14,8 @@ import asyncio
 import itertools
 import logging
 import time
-from typing import Any, Container, NamedTuple
+from collections.abc import Container
+from typing import Any, NamedTuple
 
 import redis.asyncio as aioredis
 from redis.asyncio.cluster import RedisCluster

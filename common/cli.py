@@ -1,4 +1,5 @@
-"""Argument handling shared by the role entry points (`python -m actors|learner|envs`)."""
+"""Argument handling shared by the `omrl` commands and the role entry points (`python -m
+actors|learner|envs`), and `omrl` run as a child process."""
 
 from __future__ import annotations
 
@@ -6,10 +7,13 @@ import argparse
 import logging
 import os
 import signal
+import subprocess
 import sys
-from typing import Callable
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
-from common.config import Config, ConfigError, dump_toml, load_config
+from common.config import Config, ConfigError, dump_toml, load_config, toml_value
 
 Preflight = Callable[[Config, bool], None]  # checks before a role starts: (config, show tracebacks)
 
@@ -22,7 +26,15 @@ def add_config_args(parser: argparse.ArgumentParser) -> None:
                         help="tracebacks with the one-line errors of the checks before start")
 
 
-def config_from_args(args: argparse.Namespace, extra: list[str] = ()) -> Config:
+def override(dotted: str, value: Any) -> str:
+    """The --set text that gives field `dotted` (section.field) this Python value."""
+    return f"{dotted}={toml_value(value)}"
+
+
+def config_from_args(args: argparse.Namespace, flags: dict[str, Any] | None = None) -> Config:
+    """The config of --config and --set, then of a command's own flags: `flags` maps a field's
+    dotted name to its flag's value (None: the flag was not given)."""
+    extra = [override(dotted, value) for dotted, value in (flags or {}).items() if value is not None]
     try:
         return load_config(args.config, [*args.overrides, *extra])
     except ConfigError as exc:
@@ -55,3 +67,29 @@ def stop_on_sigterm() -> None:
     def interrupt(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
     signal.signal(signal.SIGTERM, interrupt)
+
+
+class CommandFailed(RuntimeError):
+    """An `omrl` child command exited with an error; the message ends with its log's last lines."""
+
+    def __init__(self, argv: list[str], code: int, log_path: Path, tail: list[str]):
+        super().__init__(f"`omrl {' '.join(argv[:1])}` exited with {code}; its log: {log_path}\n" + "\n".join(tail))
+        self.code, self.log_path, self.tail = code, log_path, tail
+
+
+def run_omrl(argv: list[str], log_path: Path, overrides: list[str] = (), timeout: float | None = None,
+             tail_lines: int = 40) -> None:
+    """`omrl ARGV --set OVERRIDE...` as a child process of this Python, its stdout and stderr
+    in `log_path`. Ctrl-C (or SIGTERM, see stop_on_sigterm) and the timeout stop the child as
+    it stops itself (its engines, its processes) before going on; CommandFailed when it fails."""
+    argv = [*argv, *[arg for kv in overrides for arg in ("--set", kv)]]
+    with open(log_path, "w") as out:
+        child = subprocess.Popen([sys.executable, "-m", "deploy.cli", *argv], stdout=out, stderr=subprocess.STDOUT)
+        try:
+            code = child.wait(timeout)
+        except (KeyboardInterrupt, subprocess.TimeoutExpired):
+            child.terminate()
+            child.wait(120)
+            raise
+    if code != 0:
+        raise CommandFailed(argv, code, log_path, Path(log_path).read_text(errors="replace").splitlines()[-tail_lines:])

@@ -68,6 +68,35 @@ class ModelConfig(Section):
     """Weights dtype for vLLM and of the weights the learner publishes (it trains on fp32 copies)."""
 
 
+class EnvSpecConfig(Section):
+    """How to talk to an env's server, where it differs from what envs/specs.py knows of the env
+    (unset fields: the known spec's value, or for an env it does not know the "id" family's)."""
+
+    task_field: str | None = None
+    """The /reset field that names the task (AgentGym: data_idx; alfworld: game; webshop: session_id)."""
+    reset_extra: dict[str, Any] | None = None
+    """Fixed extra /reset fields (alfworld: {world_type = "Text"})."""
+    create_body: dict[str, Any] | None = None
+    """JSON body of /create, for servers that want one (textcraft: {})."""
+    reward_field: str | None = None
+    """The answer field that holds the reward (AgentGym: reward; babyai, sciworld: score)."""
+    reward_scale: float | None = Field(None, gt=0)
+    """Multiplies the reward field (sciworld's score runs 0-100: 0.01)."""
+    reward_is_total: bool | None = None
+    """The reward field is the episode's running total, not this step's increment."""
+    success: Literal["field", "done", "full_reward"] | None = None
+    """What counts as success. field: the answer's `success` (else full_reward); done: the episode
+    ended done; full_reward: the rewards sum to 1 (after scaling)."""
+    reset_prefix: str | None = None
+    """A /reset answer field put before the first observation, with a line break (sciworld: task_description)."""
+    clean_action: bool | None = None
+    """Keep only letters, digits, commas and spaces of an action, as AgentGym's babyai and textcraft clients do."""
+    num_tasks: int | None = Field(None, ge=2)
+    """Task indices are 0..num_tasks-1 (unset: the known spec's count, else env.num_tasks)."""
+    test_from: int | None = Field(None, ge=1)
+    """Indices from this one on are held out for evaluation (unset: the known spec's, else the last tenth)."""
+
+
 class EnvConfig(Section):
     name: str = "letters"
     """The env: a built-in one served by `omrl env-server`, or the name of an AgentGym server at env.url
@@ -89,6 +118,8 @@ class EnvConfig(Section):
     """Env-specific options passed to the env constructor (letters: turns, alphabet)."""
     timeout_s: float = Field(120.0, gt=0)
     """One env request may take this long; past it the episode's group fails (reason env_timeout)."""
+    spec: EnvSpecConfig = Field(default_factory=EnvSpecConfig)
+    """The server's fields and rules where they differ from the known env's (envs/specs.py)."""
 
     @property
     def base_url(self) -> str:
@@ -120,7 +151,11 @@ class ActorConfig(Section):
     """auto: render turns with the tokenizer's chat template when it has one (actors/chat.py); none:
     plain text, the system text and each observation as they come."""
     rewards: dict[str, float] = Field(default_factory=lambda: {"env": 1.0})
-    """Reward functions by name and their weights (envs/rewards.py): env, success, format, process, length."""
+    """Reward functions by name and their weights (envs/rewards.py): env, success, format, process, length,
+    or one a module in run.plugins registers."""
+    reward_timeout_s: float = Field(60.0, gt=0)
+    """An async reward function (an LLM judge, a verifier) may take this long per episode; past it the
+    episode's group fails (reason reward_timeout)."""
     cpus: list[int] = Field(default_factory=list)
     """CPU cores an actor process and its engine run on (empty: any). On one machine, cores of
     their own for the actors and for the learner stand in for devices of their own."""
@@ -187,7 +222,7 @@ class LearnerConfig(Section):
     taken in the same state), ppo (a critic: a value head on the policy, GAE or V-trace)."""
     loss: Literal["decoupled", "naive"] = "decoupled"
     """decoupled: PPO's ratio against the learner's own weights before the update (proximal), the
-    behaviour policy's tokens weighted by min(exp(lp - lb), behav_weight_cap) (ARCHITECTURE.md);
+    behaviour policy's tokens weighted by min(exp(lp - lb), behav_weight_cap) (docs/concepts/loss.md);
     naive: PPO's ratio against the behaviour log-probs, as if the data were fresh (for comparison)."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount per generated token (ppo) or per turn (gigpo's step returns)."""
@@ -332,11 +367,39 @@ class SupervisorConfig(Section):
     """Lines of a process's log shown when it exits."""
 
 
+class SFTConfig(Section):
+    """`omrl sft`: supervised fine-tuning on trajectory files (its flags of the same names set these)."""
+
+    epochs: float = Field(3.0, gt=0)
+    """Passes over the data."""
+    lr: float = Field(1e-3, gt=0)
+    """Peak learning rate (1e-3: a tiny model from scratch)."""
+    batch_size: int = Field(32, ge=1)
+    """Episodes per optimizer step."""
+    warmup: int = Field(20, ge=0)
+    """Warm-up steps of the learning rate."""
+    max_tokens_per_microbatch: int = Field(16384, ge=1)
+    """Padded tokens per forward."""
+    holdout: float = Field(0.05, ge=0, lt=1)
+    """Fraction of the episodes kept apart for a held-out loss."""
+    eval_env: str | None = None
+    """The env whose held-out tasks the model plays (unset: the data's env)."""
+    eval_episodes: int = Field(200, ge=0)
+    """Held-out tasks per evaluation (0: no evaluation)."""
+    eval_every: float = Field(1.0, gt=0)
+    """Epochs between evaluations (and one at the end)."""
+    seed: int = 0
+    """Seed of the shuffles, the held-out slice and torch."""
+
+
 class RunConfig(Section):
     run_dir: str = "runs/latest"
     """Where metrics.jsonl, logs, the model and weights go."""
     log_level: str = "INFO"
     """Python logging level for every process."""
+    plugins: list[str] = Field(default_factory=list)
+    """Modules of your own (dotted names, importable: installed, or on PYTHONPATH) that every role and
+    command imports before any check: they register envs, reward functions and action templates."""
 
 
 class Config(Section):
@@ -348,9 +411,10 @@ class Config(Section):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
     weights: WeightsConfig = Field(default_factory=WeightsConfig)
     supervisor: SupervisorConfig = Field(default_factory=SupervisorConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
 
     @model_validator(mode="after")
-    def _check(self) -> "Config":
+    def _check(self) -> Config:
         lcfg = self.learner
         # Unacknowledged: the steps since the last checkpoint, the batch being read and, when checkpoints
         # are written in the background, the steps of the one being written.
@@ -381,6 +445,31 @@ class Config(Section):
 
 class ConfigError(ValueError):
     """Bad configuration: the message names the field and the fix."""
+
+
+# What to pass for a field a process needs that is unset (`omrl run` fills them in itself).
+UNSET = {
+    "model.path": "pass --set model.path=DIR (a directory written by save_pretrained, or `omrl init-model DIR`), "
+                  "or a hub id",
+    "redis.url": "pass --set redis.url=redis://HOST:PORT/0 (the run's Redis)",
+    "env.url": "pass --set env.url=http://HOST:PORT (the env server's)",
+}
+
+
+def unset_field(cfg: Config, *fields: str) -> str | None:
+    """The first of `fields` (dotted names, keys of UNSET) that `cfg` leaves unset, if any."""
+    for dotted in fields:
+        section, name = dotted.split(".")
+        if not getattr(getattr(cfg, section), name):
+            return dotted
+    return None
+
+
+def require_set(cfg: Config, *fields: str) -> None:
+    """SystemExit with one line (what is unset, what to pass) when one of `fields` is unset."""
+    dotted = unset_field(cfg, *fields)
+    if dotted is not None:
+        raise SystemExit(f"error: {dotted} is unset: {UNSET[dotted]}")
 
 
 def _parse_value(text: str) -> Any:
@@ -429,8 +518,12 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), envir
             raise ConfigError(f"override {item!r}: use section.field=value, for example learner.lr=1e-3")
         dotted, text = item.split("=", 1)
         _set_dotted(tree, dotted.strip(), _parse_value(text.strip()))
+    for dotted, value in model_defaults(tree).items():  # only where nothing above set the field
+        section, field = dotted.split(".")
+        if isinstance(tree.setdefault(section, {}), dict):  # not a table: validation names the field
+            tree[section].setdefault(field, value)
     try:
-        return Config.model_validate(tree)
+        config = Config.model_validate(tree)
     except ValidationError as exc:
         lines = []  # one line per problem, each naming its field
         for err in exc.errors():
@@ -438,27 +531,123 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), envir
             got = f" (got {err['input']!r})" if "input" in err and not isinstance(err["input"], dict) else ""
             lines.append(f"{where}: {err['msg'].removeprefix('Value error, ')}{got}")
         raise ConfigError("\n".join(lines)) from None
+    import_plugins(config.run.plugins)
+    return config
 
 
-def _toml_value(value: Any) -> str:
+def import_plugins(modules: list[str]) -> None:
+    """Import run.plugins (each registers what it defines); a module that fails names itself."""
+    import importlib
+
+    for name in modules:
+        try:
+            importlib.import_module(name)
+        except Exception as exc:  # noqa: BLE001 - whatever the user's module raises, say which and why
+            raise ConfigError(f"run.plugins: cannot import {name!r} ({type(exc).__name__}: {exc}): install its "
+                              f"package, or put the directory that holds it on PYTHONPATH") from None
+
+
+# Defaults that follow the model (docs/guides/real-model.md, "Defaults that follow the model"). The field defaults above
+# are the tiny model's (4-token turns that stop at a line break, lr 1e-3, an entropy bonus); a model of
+# real size (at least REAL_SIZE parameters by its config.json) gets these instead, wherever the config
+# does not set the field itself.
+REAL_SIZE = 100_000_000
+REAL_MODEL = {"actor.max_tokens": 512, "actor.max_seq_len": 4096, "learner.lr": 1e-6, "learner.entropy_coef": 0.0}
+# actor.stop when the config does not set it: a real-size model with a chat template stops at its end of
+# turn (the end-of-sequence tokens vLLM stops on: no stop string); otherwise the action template's.
+TEMPLATE_STOP = {"react": ["\nObservation:"], "tag": ["</action>"]}  # others: a line break
+
+
+def model_defaults(tree: dict[str, Any]) -> dict[str, Any]:
+    """The defaults the config's model and action template give (dotted name -> value), read from
+    the model directory's JSON files (no model is loaded). A model that is not a local directory
+    (a hub id) gets none but the template's stop."""
+    import json
+
+    actor, model = (tree.get(name) if isinstance(tree.get(name), dict) else {} for name in ("actor", "model"))
+    template = actor.get("action_template", ActorConfig.model_fields["action_template"].default)
+    out: dict[str, Any] = {"actor.stop": TEMPLATE_STOP.get(template, ["\n"])}
+    path = Path(str(model["path"])) if model.get("path") else None
+    if path is None or not (path / "config.json").is_file():
+        return out
+    try:
+        hf = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return out  # preflight reports an unreadable model
+    if _parameters(hf) < REAL_SIZE:
+        return out
+    out.update(REAL_MODEL)
+    if isinstance(hf.get("max_position_embeddings"), int):
+        out["actor.max_seq_len"] = min(REAL_MODEL["actor.max_seq_len"], hf["max_position_embeddings"])
+    if hf.get("torch_dtype") in ("bfloat16", "float16"):
+        out["model.dtype"] = hf["torch_dtype"]
+    if actor.get("chat_template", "auto") == "auto" and _has_chat_template(path):
+        out["actor.stop"] = []
+    return out
+
+
+def _parameters(hf: dict[str, Any]) -> int:
+    """About how many parameters a decoder-only model of this config.json has (embeddings, attention
+    with its key-value heads, gated MLP); 0 where the config does not say."""
+    try:
+        h, layers, vocab = int(hf["hidden_size"]), int(hf["num_hidden_layers"]), int(hf["vocab_size"])
+    except (KeyError, TypeError, ValueError):
+        return 0
+    heads = int(hf.get("num_attention_heads") or 1)
+    kv = int(hf.get("num_key_value_heads") or heads)
+    inter = int(hf.get("intermediate_size") or 4 * h)
+    attention = 2 * h * h + 2 * h * (h // heads) * kv
+    embeddings = vocab * h * (1 if hf.get("tie_word_embeddings") else 2)
+    return embeddings + layers * (attention + 3 * h * inter)
+
+
+def _has_chat_template(path: Path) -> bool:
+    import json
+
+    if (path / "chat_template.jinja").is_file() or (path / "chat_template.json").is_file():
+        return True
+    try:
+        return bool(json.loads((path / "tokenizer_config.json").read_text()).get("chat_template"))
+    except (OSError, ValueError):
+        return False
+
+
+# The one TOML writer: the resolved config (`dump_toml`), run files a command writes (`to_toml`)
+# and --set values (`common.cli.override`) all go through `toml_value`.
+def toml_value(value: Any) -> str:
+    """`value` as a TOML literal: tomllib reads it back equal (inline tables for dicts)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, str):
-        return '"' + value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n") + '"'
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return '"' + "".join(_ESCAPES.get(c) or (f"\\u{ord(c):04x}" if ord(c) < 32 or ord(c) == 127 else c)
+                             for c in value) + '"'
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{toml_key(k)} = {toml_value(v)}" for k, v in value.items()) + "}"
     raise TypeError(f"cannot write {type(value).__name__} to TOML")
+
+
+_ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+
+def toml_key(key: str) -> str:
+    """A bare key where TOML allows one, else a quoted one."""
+    return key if key and all(c.isascii() and (c.isalnum() or c in "_-") for c in key) else toml_value(key)
+
+
+def to_toml(tree: dict[str, dict[str, Any]]) -> str:
+    """Sections of fields as TOML, one [section] table each (None values are left out: they mean 'unset')."""
+    out = []
+    for section, values in tree.items():
+        out.append(f"[{toml_key(section)}]")
+        out.extend(f"{toml_key(k)} = {toml_value(v)}" for k, v in values.items() if v is not None)
+        out.append("")
+    return "\n".join(out)
 
 
 def dump_toml(config: Config) -> str:
     """The resolved config as TOML (None values are left out: they mean 'unset')."""
-    out = []
-    for section, values in config.model_dump().items():
-        out.append(f"[{section}]")
-        out.extend(f"{k} = {_toml_value(v)}" for k, v in values.items() if v is not None)
-        out.append("")
-    return "\n".join(out)
+    return to_toml(config.model_dump(exclude_none=True))

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import json
 import string
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 TINY_EOS = "<|endoftext|>"
 TINY_CHARS = "\n" + string.ascii_lowercase + string.ascii_uppercase + string.digits + " .,:;!?'\"-+*/=()<>[]_#"

@@ -20,7 +20,8 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import msgpack
 
@@ -73,7 +74,7 @@ def pack(version: int, state: dict[str, Any], bucket_bytes: int, device) -> Pack
         offset += -(-nbytes // ALIGN) * ALIGN
     sizes.append(offset)
     buckets = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
-    for (name, _dtype, _shape, bucket, off), tensor in zip(entries, state.values()):
+    for (_name, _dtype, _shape, bucket, off), tensor in zip(entries, state.values()):
         flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
         buckets[bucket][off:off + flat.numel()].copy_(flat)
     layout = msgpack.packb({"tensors": entries, "buckets": sizes})

@@ -23,10 +23,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from common.config import to_toml
 
 log = logging.getLogger("omrl.demo")
 
@@ -126,23 +127,15 @@ class Demo:
         self.state_path.write_text(json.dumps(self.done, indent=2))
         log.info("stage %s: %.0f s", name, self.times[name])
 
-    def omrl(self, name: str, *argv: str) -> str:
-        """An `omrl` command as a child process, its output in OUT/logs/NAME.log; its stdout's last line."""
-        logfile = self.out / "logs" / f"{name}.log"
-        with open(logfile, "w") as err:
-            child = subprocess.Popen([sys.executable, "-m", "deploy.cli", *argv], stdout=subprocess.PIPE, stderr=err,
-                                     text=True)
-            try:
-                stdout, _ = child.communicate()
-            except KeyboardInterrupt:  # stop the child as it stops itself (its engines, its processes), then go
-                child.terminate()
-                child.wait(120)
-                raise
-        if child.returncode != 0:
-            tail = logfile.read_text().splitlines()[-5:]
-            raise SystemExit(f"error: stage {name} failed (exit {child.returncode}); its log: {logfile}\n"
-                             + "\n".join(tail))
-        return stdout.strip().splitlines()[-1] if stdout.strip() else ""
+    def omrl(self, name: str, *argv: str, overrides: list[str] = ()) -> None:
+        """An `omrl` command as a child process, its output in OUT/logs/NAME.log."""
+        from common.cli import CommandFailed, run_omrl
+
+        try:
+            run_omrl(list(argv), self.out / "logs" / f"{name}.log", overrides)
+        except CommandFailed as exc:
+            raise SystemExit(f"error: stage {name} failed (exit {exc.code}); its log: {exc.log_path}\n"
+                             + "\n".join(exc.tail[-5:])) from None
 
     # -- stages ----------------------------------------------------------------------
     def tasks(self) -> None:
@@ -151,7 +144,7 @@ class Demo:
         write_tasks(self.out / "tasks" / "rl", task_ids(self.rl_levels, seeds), task_ids(self.rl_levels, test))
         for level in self.levels:
             write_tasks(self.out / "tasks" / f"level-{level}", task_ids([level], seeds), task_ids([level], test))
-        (self.out / "config.toml").write_text(_toml({"env": {"name": "babyai"}, "actor": ACTOR}))
+        (self.out / "config.toml").write_text(to_toml({"env": {"name": "babyai"}, "actor": ACTOR}))
 
     def model(self) -> None:
         self.omrl("model", "init-model", str(self.out / "model0"), "--tokenizer", "word", "--env", "babyai",
@@ -176,10 +169,9 @@ class Demo:
     def rl(self) -> None:
         config = {"env": {"name": "babyai", "tasks": str(self.out / "tasks" / "rl")},
                   "actor": {**ACTOR, **RL_ACTOR}, "learner": {**LEARNER, "steps": self.args.rl_steps}}
-        (self.out / "rl.toml").write_text(_toml(config))
-        sets = [arg for s in self.args.overrides for arg in ("--set", s)]
+        (self.out / "rl.toml").write_text(to_toml(config))
         self.omrl("rl", "run", "--config", str(self.out / "rl.toml"), "--model", str(self.out / "sft"), "--run-dir",
-                  str(self.out / "rl"), *sets)
+                  str(self.out / "rl"), overrides=self.args.overrides)
         self.omrl("export", "export", str(self.out / "rl"), str(self.out / "rl-model"))
 
     # -- the report --------------------------------------------------------------------
@@ -217,11 +209,12 @@ def evaluate_levels(out: Path, model: Path, levels: list[int]) -> dict[str, dict
     import asyncio
     import dataclasses
 
+    from common.cli import override
     from common.config import load_config
     from deploy.evaluate import ModelPlayer
     from envs.tasks import read_tasks
 
-    cfg = load_config(out / "config.toml", [f"model.path={json.dumps(str(model))}"])
+    cfg = load_config(out / "config.toml", [override("model.path", str(model))])
 
     async def play() -> dict[str, dict]:
         results = {}
@@ -282,10 +275,3 @@ def plot_demo(out: Path, levels: list[int], before: dict, after: dict) -> Path:
 def _pct(r: dict) -> str:
     return f"{100 * r['success']:.1f}% [{100 * r['success_ci'][0]:.1f}, {100 * r['success_ci'][1]:.1f}]"
 
-
-def _toml(tree: dict) -> str:
-    lines = []
-    for section, fields in tree.items():
-        lines.append(f"[{section}]")
-        lines += [f"{k} = {json.dumps(v)}" for k, v in fields.items()]
-    return "\n".join(lines) + "\n"

@@ -13,15 +13,17 @@ import contextlib
 import dataclasses
 import json
 import logging
+import sys
 from pathlib import Path
 
-from common.cli import config_from_args
-from common.config import Config
+from common.cli import add_config_args, config_from_args, stop_on_sigterm
+from common.config import Config, EnvSpecConfig
 
 log = logging.getLogger("omrl.eval")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    add_config_args(p)
     p.add_argument("--env", action="append", required=True, help="env name (repeatable: one table row each)")
     p.add_argument("--model", help="model path or hub id (model.path); needed for --policy model")
     p.add_argument("--policy", choices=("model", "oracle", "random"), default="model",
@@ -35,8 +37,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    extra = [f"model.path={json.dumps(args.model)}"] if args.model else []
-    cfg = config_from_args(args, extra)
+    from common.logs import setup_logging
+
+    setup_logging("eval", "INFO", sys.stderr)  # stdout is the table or the JSON
+    stop_on_sigterm()
+    cfg = config_from_args(args, {"model.path": args.model or None})
     if args.env_url and len(args.env) > 1:
         raise SystemExit("error: --env-url names one server: give one --env with it")
     if args.policy == "model" and not cfg.model.path:
@@ -62,12 +67,12 @@ def main(args: argparse.Namespace) -> int:
 async def _evaluate_all(cfg: Config, args: argparse.Namespace):
     import aiohttp
 
-    from actors.evaluate import PinnedModelPolicy, ServerPolicy, evaluate
     from actors.episode import EpisodeSetup
+    from actors.evaluate import PinnedModelPolicy, ServerPolicy, evaluate
     from actors.templates import make_template
     from envs.client import EnvClient
-    from envs.specs import spec_for
-    from envs.tasks import task_split
+    from envs.specs import spec_of
+    from envs.tasks import task_data, task_split
 
     engine = _engine(cfg) if args.policy == "model" else None
     tokenizer = engine.tokenizer if engine else tokenizer_of(cfg)
@@ -75,12 +80,14 @@ async def _evaluate_all(cfg: Config, args: argparse.Namespace):
     try:
         async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
             for name in args.env:
-                env_cfg = cfg.env.model_copy(update={"name": name, "tasks": args.tasks or cfg.env.tasks})
+                env_cfg = cfg.env.model_copy(update={"name": name, "tasks": args.tasks or cfg.env.tasks,
+                                                     "spec": cfg.env.spec if name == cfg.env.name else EnvSpecConfig()})
                 _train, test = task_split(env_cfg)
                 tasks = list(test)[:args.episodes]
                 async with env_server(name, cfg, args.env_url) as url:
-                    client = EnvClient(url, session, cfg.env.timeout_s, spec_for(name, cfg.env.protocol))
-                    setup = EpisodeSetup(client, tokenizer, cfg.actor, make_template(cfg.actor.action_template), name)
+                    client = EnvClient(url, session, cfg.env.timeout_s, spec_of(env_cfg))
+                    setup = EpisodeSetup(client, tokenizer, cfg.actor, make_template(cfg.actor.action_template), name,
+                                         task_data(env_cfg))
                     policy = (PinnedModelPolicy(engine, version=0, temperature=args.temperature) if engine
                               else ServerPolicy(setup, args.policy))
                     log.info("evaluating %s on %d held-out tasks of %s", args.policy, len(tasks), name)
@@ -116,13 +123,13 @@ class ModelPlayer:
     def __init__(self, cfg: Config, env_name: str):
         self.cfg, self.env_name = cfg, env_name
 
-    async def __aenter__(self) -> "ModelPlayer":
+    async def __aenter__(self) -> ModelPlayer:
         import aiohttp
 
         from actors.episode import EpisodeSetup
         from actors.templates import make_template
         from envs.client import EnvClient
-        from envs.specs import spec_for
+        from envs.specs import spec_of
 
         cfg = self.cfg
         self._stack = contextlib.AsyncExitStack()
@@ -132,7 +139,7 @@ class ModelPlayer:
         session = await self._stack.enter_async_context(
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)))
         url = await self._stack.enter_async_context(env_server(self.env_name, cfg, None))
-        client = EnvClient(url, session, cfg.env.timeout_s, spec_for(self.env_name, cfg.env.protocol))
+        client = EnvClient(url, session, cfg.env.timeout_s, spec_of(cfg.env, self.env_name))
         self.setup = EpisodeSetup(client, self.engine.tokenizer, cfg.actor, make_template(cfg.actor.action_template),
                                   self.env_name)
         return self

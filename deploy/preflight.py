@@ -18,14 +18,15 @@ import shutil
 import socket
 import sys
 import tempfile
-import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from common.config import Config
+from common.config import UNSET, Config
 from common.logs import first_line
+from common.retry import RetryPolicy
 
 MIN_REDIS = (6, 2)  # XAUTOCLAIM and the Lua the broker runs
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -86,7 +87,8 @@ def check_names(cfg: Config, ctx: Context) -> str:
 
         if cfg.env.name not in ENVS:
             raise Failed(f"env.name = {cfg.env.name!r} is not a built-in env",
-                         f"choose one of {', '.join(sorted(ENVS))}, or set env.url to an AgentGym server of yours")
+                         f"choose one of {', '.join(sorted(ENVS))}, register one in a module named in run.plugins, "
+                         f"or set env.url to an AgentGym server of yours")
     return f"env {cfg.env.name!r}, template {cfg.actor.action_template!r}, rewards {', '.join(cfg.actor.rewards)}"
 
 
@@ -94,8 +96,7 @@ def check_model(cfg: Config, ctx: Context) -> str:
     path = cfg.model.path
     if not path:
         if ctx.role in ("actor", "learner"):
-            raise Failed("model.path is unset", "pass --set model.path=DIR (a directory written by save_pretrained, "
-                         "or `omrl init-model DIR`), or a hub id")
+            raise _unset("model.path")
         return "the tiny model (omrl run builds it in RUN_DIR/model)"
     from transformers import AutoConfig
 
@@ -162,7 +163,7 @@ def check_lengths(cfg: Config, ctx: Context) -> str:
 def check_redis(cfg: Config, ctx: Context) -> str:
     if not cfg.redis.url:
         if ctx.role in ("actor", "learner"):
-            raise Failed("redis.url is unset", "pass --set redis.url=redis://HOST:PORT/0 (the run's Redis)")
+            raise _unset("redis.url")
         from broker.embedded import find_redis_server
 
         try:
@@ -183,7 +184,7 @@ def check_env(cfg: Config, ctx: Context) -> str:
     if not cfg.env.url and ctx.role != "actor":
         return f"built-in {cfg.env.name!r} server (omrl run starts it)"
     if not cfg.env.url and not cfg.env.port:
-        raise Failed("env.url is unset", "pass --set env.url=http://HOST:PORT (the env server's)")
+        raise _unset("env.url")
     probe = _retry(ctx, lambda: asyncio.run(_env_probe(cfg)), _env_failure(cfg))
     return f"{cfg.env.base_url}: {probe}"
 
@@ -318,6 +319,10 @@ def _first(exc: BaseException) -> str:
     return first_line(exc)[:300]
 
 
+def _unset(dotted: str) -> Failed:
+    return Failed(f"{dotted} is unset", UNSET[dotted])
+
+
 def _where(url: str) -> str:
     """The URL without its password."""
     return re.sub(r"//[^@/]*@", "//", url)
@@ -326,16 +331,15 @@ def _where(url: str) -> str:
 def _retry(ctx: Context, probe: Callable[[], str], failure: Callable[[BaseException], Failed]) -> str:
     """`probe()`; a refused or timed-out connection is tried again until ctx.wait_s has passed
     (a role started beside its server, as compose and Kubernetes do)."""
-    deadline = time.monotonic() + ctx.wait_s
-    while True:
+    def classified() -> str:
         try:
             return probe()
-        except Exception as exc:  # noqa: BLE001 - classified by `failure`
-            verdict = failure(exc)
-            if verdict.transient and time.monotonic() < deadline:
-                time.sleep(1.0)
-                continue
-            raise verdict from exc  # --debug shows the cause's traceback
+        except Exception as exc:  # whatever it is, `failure` says what it means
+            raise failure(exc) from exc  # --debug shows the cause's traceback
+
+    policy = RetryPolicy((Failed,), attempts=None, timeout_s=ctx.wait_s, base_delay_s=1.0, max_delay_s=1.0,
+                         logger=None, retry_if=lambda exc: exc.transient)
+    return policy.call("probe", classified)
 
 
 async def _redis_version(cfg: Config) -> str:
@@ -378,12 +382,11 @@ async def _env_probe(cfg: Config) -> str:
     import aiohttp
 
     from envs.client import EnvClient
-    from envs.specs import spec_for
+    from envs.specs import spec_of
     from envs.tasks import task_split
 
     async with aiohttp.ClientSession() as session:
-        client = EnvClient(cfg.env.base_url, session, min(cfg.env.timeout_s, 60.0), spec_for(cfg.env.name,
-                                                                                              cfg.env.protocol))
+        client = EnvClient(cfg.env.base_url, session, min(cfg.env.timeout_s, 60.0), spec_of(cfg.env))
         await client.health(attempts=1)
         env_id = await client.create()
         try:

@@ -14,35 +14,37 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import logging
 import random
 import sys
 import time
 from pathlib import Path
 
-from common.cli import config_from_args
-from common.config import Config
+from common.cli import add_config_args, config_from_args
+from common.config import Config, SFTConfig
 
 log = logging.getLogger("omrl.sft")
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
+    add_config_args(p)
     p.add_argument("--data", action="append", required=True, help="a trajectory file (.parquet, .json, .jsonl); "
                    "repeatable")
     p.add_argument("--model", required=True, help="the model to start from, path or hub id (model.path)")
     p.add_argument("--out", required=True, help="the directory to write the fine-tuned model to")
-    p.add_argument("--epochs", type=float, default=3.0, help="passes over the data (default 3)")
-    p.add_argument("--lr", type=float, default=1e-3, help="peak learning rate (default 1e-3: a tiny model from scratch)")
-    p.add_argument("--batch-size", type=int, default=32, help="episodes per optimizer step (default 32)")
-    p.add_argument("--warmup", type=int, default=20, help="warm-up steps (default 20)")
-    p.add_argument("--max-tokens-per-microbatch", type=int, default=16384, help="padded tokens per forward")
-    p.add_argument("--holdout", type=float, default=0.05, help="fraction of episodes kept for a held-out loss")
+    # The settings of the run: each flag sets the [sft] field of its name (common/config.py's SFTConfig
+    # holds the defaults and the bounds), after --config and --set.
+    p.add_argument("--epochs", type=float, help="passes over the data (default 3)")
+    p.add_argument("--lr", type=float, help="peak learning rate (default 1e-3: a tiny model from scratch)")
+    p.add_argument("--batch-size", type=int, help="episodes per optimizer step (default 32)")
+    p.add_argument("--warmup", type=int, help="warm-up steps (default 20)")
+    p.add_argument("--max-tokens-per-microbatch", type=int, help="padded tokens per forward")
+    p.add_argument("--holdout", type=float, help="fraction of episodes kept for a held-out loss")
     p.add_argument("--eval-env", help="env whose held-out tasks the model plays (default: the data's env)")
-    p.add_argument("--eval-episodes", type=int, default=200, help="held-out tasks per evaluation (0: none)")
-    p.add_argument("--eval-every", type=float, default=1.0, help="epochs between evaluations (default 1)")
+    p.add_argument("--eval-episodes", type=int, help="held-out tasks per evaluation (0: none)")
+    p.add_argument("--eval-every", type=float, help="epochs between evaluations (default 1)")
     p.add_argument("--tasks", help="task files directory for the evaluation (env.tasks)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int)
 
 
 def main(args: argparse.Namespace) -> int:
@@ -51,14 +53,9 @@ def main(args: argparse.Namespace) -> int:
 
     setup_logging("sft", "INFO", sys.stderr)  # stdout is the output directory
     stop_on_sigterm()
-    for flag, value, low in (("--epochs", args.epochs, 0.0), ("--lr", args.lr, 0.0), ("--eval-every", args.eval_every, 0.0)):
-        if value <= low:
-            raise SystemExit(f"error: {flag} must be above {low:g}, got {value:g}")
-    if args.batch_size < 1 or args.eval_episodes < 0 or not 0 <= args.holdout < 1:
-        raise SystemExit("error: --batch-size must be at least 1, --eval-episodes at least 0, --holdout in [0, 1)")
-    extra = [f"model.path={json.dumps(args.model)}"] + ([f"env.tasks={json.dumps(args.tasks)}"] if args.tasks else [])
-    cfg = config_from_args(args, extra)
-    print(asyncio.run(fine_tune(cfg, args)), flush=True)
+    flags = {f"sft.{name}": vars(args)[name] for name in SFTConfig.model_fields}
+    cfg = config_from_args(args, {"model.path": args.model, "env.tasks": args.tasks or None, **flags})
+    print(asyncio.run(fine_tune(cfg, args.data, Path(args.out))), flush=True)
     return 0
 
 
@@ -82,7 +79,8 @@ def load_examples(cfg: Config, paths: list[str]) -> tuple[list[tuple[list[int], 
     return examples, envs
 
 
-async def fine_tune(cfg: Config, args: argparse.Namespace) -> Path:
+async def fine_tune(cfg: Config, data: list[str], out: Path) -> Path:
+    """Fine-tune cfg.model.path on the episodes of the `data` files by cfg.sft; the model, saved in `out`."""
     import torch
 
     from common.metrics import JsonlSink
@@ -91,32 +89,32 @@ async def fine_tune(cfg: Config, args: argparse.Namespace) -> Path:
     from envs.tasks import task_split
     from learner.sft import SFTTrainer
 
+    sft = cfg.sft
     started = time.monotonic()
-    examples, envs = load_examples(cfg, args.data)
-    random.Random(args.seed).shuffle(examples)
-    held = examples[:int(len(examples) * args.holdout)]
+    examples, envs = load_examples(cfg, data)
+    random.Random(sft.seed).shuffle(examples)
+    held = examples[:int(len(examples) * sft.holdout)]
     train = examples[len(held):]
-    eval_env = args.eval_env or next((e for e in envs if e), None)
+    eval_env = sft.eval_env or next((e for e in envs if e), None)
     tasks: list[int] = []
-    if args.eval_episodes:
+    if sft.eval_episodes:
         if not eval_env:
             raise SystemExit("error: the data names no env: pass --eval-env NAME (or --eval-episodes 0)")
         try:
-            tasks = list(task_split(cfg.env.model_copy(update={"name": eval_env}))[1])[:args.eval_episodes]
+            tasks = list(task_split(cfg.env.model_copy(update={"name": eval_env}))[1])[:sft.eval_episodes]
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
-    steps_per_epoch = max(1, len(train) // args.batch_size)
-    total = max(1, round(args.epochs * steps_per_epoch))
-    eval_steps = {min(total, round(k * args.eval_every * steps_per_epoch))
-                  for k in range(1, int(args.epochs / args.eval_every) + 1)} | {total}
+    steps_per_epoch = max(1, len(train) // sft.batch_size)
+    total = max(1, round(sft.epochs * steps_per_epoch))
+    eval_steps = {min(total, round(k * sft.eval_every * steps_per_epoch))
+                  for k in range(1, int(sft.epochs / sft.eval_every) + 1)} | {total}
     log.info("%d episodes (%d trained tokens), %d held out; %d steps of %d episodes; evaluating on %s at steps %s",
-             len(train), sum(sum(m) for _t, m in train), len(held), total, args.batch_size, eval_env,
-             sorted(eval_steps) if args.eval_episodes else "none")
-    torch.manual_seed(args.seed)
+             len(train), sum(sum(m) for _t, m in train), len(held), total, sft.batch_size, eval_env,
+             sorted(eval_steps) if sft.eval_episodes else "none")
+    torch.manual_seed(sft.seed)
     model = load_causal_lm(cfg.model.path)
-    trainer = SFTTrainer(model, args.lr, total, args.warmup, max_tokens_per_microbatch=args.max_tokens_per_microbatch,
+    trainer = SFTTrainer(model, sft.lr, total, sft.warmup, max_tokens_per_microbatch=sft.max_tokens_per_microbatch,
                          pad_id=model.config.pad_token_id or 0)
-    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sft_metrics.jsonl").unlink(missing_ok=True)
     sink = JsonlSink(out / "sft_metrics.jsonl")
@@ -129,14 +127,14 @@ async def fine_tune(cfg: Config, args: argparse.Namespace) -> Path:
 
         if player is not None:
             sink.write({"step": 0, "epoch": 0.0, **await held_out(0)})
-        rng = random.Random(args.seed + 1)
+        rng = random.Random(sft.seed + 1)
         order: list[int] = []
         for step in range(1, total + 1):
-            if len(order) < args.batch_size:
+            if len(order) < sft.batch_size:
                 fresh = list(range(len(train)))
                 rng.shuffle(fresh)
                 order += fresh
-            batch, order = [train[i] for i in order[:args.batch_size]], order[args.batch_size:]
+            batch, order = [train[i] for i in order[:sft.batch_size]], order[sft.batch_size:]
             metrics = await asyncio.to_thread(trainer.step, batch)
             if step % 20 == 0 or step == total:
                 log.info("step %d/%d  loss %.4f  lr %.2e  %.0f s", step, total, metrics["sft/loss"],

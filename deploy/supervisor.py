@@ -22,14 +22,14 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from common.cli import config_from_args, log_config
 from common.config import Config, SupervisorConfig, dump_toml
 from common.logs import setup_logging
+from common.retry import wait_http
 
 log = logging.getLogger("omrl.run")
 STOP_TIMEOUT_S = 20.0
@@ -40,7 +40,7 @@ class Process:
     output also goes to this process's stdout (the learner's one line per step)."""
 
     def __init__(self, name: str, args: list[str], log_path: Path, echo: bool = False,
-                 ready: Callable[["Process"], None] | None = None, env: dict[str, str] | None = None):
+                 ready: Callable[[Process], None] | None = None, env: dict[str, str] | None = None):
         self.name, self.args, self.log_path, self.echo, self.ready = name, args, log_path, echo, ready
         self.env = env  # the environment it starts with (None: this process's)
         self.proc: subprocess.Popen | None = None
@@ -163,17 +163,13 @@ class Supervisor:
 
 def _wait_http(url: str, timeout: float = 60.0) -> Callable[[Process], None]:
     def ready(process: Process) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if not process.alive():
-                return  # the supervisor sees the exit and decides
-            try:
-                with urllib.request.urlopen(url, timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.2)
-        log.error("%s did not answer %s within %.0fs: killing it", process.name, url, timeout)
-        process.signal(signal.SIGKILL)  # the supervisor sees the exit and restarts it
+        try:
+            wait_http(url, timeout, process.proc.poll)
+        except RuntimeError:
+            pass  # exited: the supervisor sees it and decides
+        except TimeoutError:
+            log.error("%s did not answer %s within %.0fs: killing it", process.name, url, timeout)
+            process.signal(signal.SIGKILL)  # the supervisor sees the exit and restarts it
     return ready
 
 
@@ -218,14 +214,8 @@ def learner_launcher(ranks: int) -> list[str]:
 
 
 def run(args: argparse.Namespace) -> int:
-    extra = []
-    if args.steps:
-        extra.append(f"learner.steps={args.steps}")
-    if args.run_dir:
-        extra.append(f"run.run_dir={json.dumps(args.run_dir)}")
-    if args.model:
-        extra.append(f"model.path={json.dumps(args.model)}")
-    cfg = config_from_args(args, extra)
+    cfg = config_from_args(args, {"learner.steps": args.steps or None, "run.run_dir": args.run_dir or None,
+                                  "model.path": args.model or None})
     setup_logging("omrl", cfg.run.log_level)
     from deploy.preflight import require
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import logging
 import sys
 import time
+from typing import Any
 
 from common.cli import config_from_args
 from common.config import Config
@@ -22,36 +22,18 @@ from common.config import Config
 log = logging.getLogger("omrl.collect")
 
 
-def add_collect_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--env", required=True, help="env name (env.name)")
-    p.add_argument("--policy", choices=("oracle", "random"), default="oracle", help="who plays (our env server's)")
-    p.add_argument("--episodes", type=int, required=True, help="episodes to play: the first N tasks of the split")
-    p.add_argument("--out", required=True, help="the parquet file to write")
-    p.add_argument("--model", help="whose tokenizer and chat template (model.path); default: the tiny model's")
-    p.add_argument("--tasks", help="task files directory (env.tasks); default: the env's own split")
-    p.add_argument("--split", choices=("train", "test"), default="train", help="which split's tasks (default train)")
-    p.add_argument("--only-success", action="store_true", help="keep only the episodes that solved their task")
-
-
-def add_import_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("source", metavar="FILE", help="a JSON list or JSON lines of records with `conversations`")
-    p.add_argument("--out", required=True, help="the parquet file to write")
-    p.add_argument("--model", help="whose tokenizer and chat template (model.path); default: the tiny model's")
-
-
 def collect_main(args: argparse.Namespace) -> int:
     from actors.trajectories import write_episodes
 
     if args.episodes < 1:
         raise SystemExit("error: --episodes must be at least 1")
-    cfg = _config(args, [f"env.name={json.dumps(args.env)}"] + ([f"env.tasks={json.dumps(args.tasks)}"]
-                                                                 if args.tasks else []))
-    from envs.client import EnvError
+    cfg = _config(args, {"env.name": args.env, "env.tasks": args.tasks or None})
+    from envs.base import EpisodeError
 
     started = time.monotonic()
     try:
         rows = asyncio.run(_collect(cfg, args))
-    except (EnvError, ValueError) as exc:  # an env without that policy, a bad task file
+    except (EpisodeError, ValueError) as exc:  # an env without that policy, a bad task file
         raise SystemExit(f"error: {exc}") from None
     played = len(rows)
     if args.only_success:
@@ -73,8 +55,8 @@ async def _collect(cfg: Config, args: argparse.Namespace) -> list[dict]:
     from actors.trajectories import collect
     from deploy.evaluate import env_server, tokenizer_of
     from envs.client import EnvClient
-    from envs.specs import spec_for
-    from envs.tasks import task_split
+    from envs.specs import spec_of
+    from envs.tasks import task_data, task_split
 
     train, test = task_split(cfg.env)
     tasks = list(train if args.split == "train" else test)[:args.episodes]
@@ -82,9 +64,9 @@ async def _collect(cfg: Config, args: argparse.Namespace) -> list[dict]:
         log.warning("the %s split has %d tasks: playing each once", args.split, len(tasks))
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
         async with env_server(cfg.env.name, cfg, None) as url:
-            client = EnvClient(url, session, cfg.env.timeout_s, spec_for(cfg.env.name, cfg.env.protocol))
+            client = EnvClient(url, session, cfg.env.timeout_s, spec_of(cfg.env))
             setup = EpisodeSetup(client, tokenizer_of(cfg), cfg.actor, make_template(cfg.actor.action_template),
-                                 cfg.env.name)
+                                 cfg.env.name, task_data(cfg.env))
             every = max(1, len(tasks) // 10)
 
             def progress(done: int) -> None:
@@ -99,7 +81,7 @@ def import_main(args: argparse.Namespace) -> int:
     from actors.trajectories import TrajectoryError, load_conversations, with_tokens, write_episodes
     from deploy.evaluate import tokenizer_of
 
-    cfg = _config(args, [])
+    cfg = _config(args, {})
     fmt = make_format(tokenizer_of(cfg), cfg.actor.chat_template, cfg.actor.stop)
     try:
         rows = with_tokens(fmt, load_conversations(args.source), args.source)
@@ -112,8 +94,8 @@ def import_main(args: argparse.Namespace) -> int:
     return 0
 
 
-def _config(args: argparse.Namespace, extra: list[str]) -> Config:
+def _config(args: argparse.Namespace, flags: dict[str, Any]) -> Config:
     from common.logs import setup_logging
 
     setup_logging("collect", "INFO", sys.stderr)  # stdout is the output path
-    return config_from_args(args, extra + ([f"model.path={json.dumps(args.model)}"] if args.model else []))
+    return config_from_args(args, {**flags, "model.path": args.model or None})

@@ -32,9 +32,7 @@ def main(argv: list[str] | None = None, preflight: Preflight | None = None) -> N
     parser.add_argument("--host", help="bind address (env.host)")
     parser.add_argument("--port", type=int, help="port (env.port)")
     args = parser.parse_args(argv)
-    extra = [f"env.{k}={v!r}" if isinstance(v, str) else f"env.{k}={v}"
-             for k, v in (("name", args.env), ("host", args.host), ("port", args.port)) if v is not None]
-    cfg = config_from_args(args, extra)
+    cfg = config_from_args(args, {"env.name": args.env, "env.host": args.host, "env.port": args.port})
     if preflight is not None:
         preflight(cfg, args.debug)
     setup_logging("env", cfg.run.log_level)

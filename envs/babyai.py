@@ -58,7 +58,7 @@ def _minigrid():
         import gymnasium
         import minigrid  # noqa: F401  (registers the BabyAI levels)
     except ImportError as exc:
-        raise ImportError(f"the babyai env needs minigrid and gymnasium: pip install openmanus-rl[babyai] ({exc})")
+        raise ImportError(f"the babyai env needs minigrid and gymnasium: pip install openmanus-rl[babyai] ({exc})") from exc
     # The level generator prints each rejected sample to stdout, where a command's output goes
     # (`omrl collect` prints its file's path): the module's `print` becomes a debug log line.
     from minigrid.envs.babyai.core import roomgrid_level

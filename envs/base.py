@@ -22,7 +22,17 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
+
+from common.registry import Registry
+
+
+class EpisodeError(RuntimeError):
+    """An episode that cannot be finished: its group fails, counted under `reason` (an env's
+    failures in envs/client.py, a reward function's in envs/rewards.py)."""
+
+    reason = "episode_error"
 
 
 @dataclasses.dataclass
@@ -70,23 +80,11 @@ class Env:
         """Free what the instance holds; called once, when the client closes it or it is reaped."""
 
 
-ENVS: dict[str, Callable[..., Env]] = {}
-
-
-def register_env(name: str) -> Callable[[type[Env]], type[Env]]:
-    def deco(cls: type[Env]) -> type[Env]:
-        if name in ENVS:
-            raise ValueError(f"env {name!r} is registered twice")
-        ENVS[name] = cls
-        return cls
-    return deco
+ENVS: Registry[Callable[..., Env]] = Registry("env", "env.name")
+register_env = ENVS.register
 
 
 def make_env(name: str, **options: Any) -> Env:
     import envs.builtin  # noqa: F401  (registers the built-in envs)
 
-    try:
-        factory = ENVS[name]
-    except KeyError:
-        raise ValueError(f"unknown env {name!r}: choose one of {sorted(ENVS)} (env.name)") from None
-    return factory(**options)
+    return ENVS.lookup(name)(**options)

@@ -63,11 +63,11 @@ class LettersEnv(Env):
 
 
 # The suite of small envs that need their observations (one module each).
+import envs.babyai  # noqa: E402,F401
 import envs.calculator  # noqa: E402,F401
 import envs.grid_nav  # noqa: E402,F401
 import envs.guess_number  # noqa: E402,F401
 import envs.long_tail  # noqa: E402,F401
-import envs.word_guess  # noqa: E402,F401
-import envs.babyai  # noqa: E402,F401
-import envs.textcraft  # noqa: E402,F401
 import envs.sciworld  # noqa: E402,F401
+import envs.textcraft  # noqa: E402,F401
+import envs.word_guess  # noqa: E402,F401

@@ -14,13 +14,14 @@ Failures raise `EnvError` subclasses whose `reason` names the group's failure.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
-import random
 from typing import Any
 
 import aiohttp
 
-from envs.base import StepResult
+from common.retry import RetryPolicy
+from envs.base import EpisodeError, StepResult
 from envs.specs import EnvSpec
 
 log = logging.getLogger(__name__)
@@ -31,13 +32,19 @@ MAYBE_DONE = (aiohttp.ClientConnectionError, asyncio.TimeoutError)  # sent, answ
 RETRY_STATUS = {503}
 IDEMPOTENT = {"/", "/stats", "/reset", "/observation", "/oracle", "/random", "/close"}
 MAX_ATTEMPTS = 5
-BACKOFF_S = 0.2
+# 0.2 s after the first failure, doubling (the cap is never reached in MAX_ATTEMPTS); each
+# request narrows `retryable` to what it may repeat (see above).
+POLICY = RetryPolicy(NOT_SENT, attempts=MAX_ATTEMPTS, base_delay_s=0.2, max_delay_s=10.0, logger=log)
 
 
-class EnvError(RuntimeError):
+class EnvError(EpisodeError):
     """The env server answered with an error; the text carries its message."""
 
     reason = "env_error"
+
+
+class EnvBusy(EnvError):
+    """HTTP 503: the server refused the work for now (retried by every request)."""
 
 
 class EnvTimeout(EnvError):
@@ -68,30 +75,27 @@ class EnvClient:
 
     async def _request(self, method: str, path: str, attempts: int = MAX_ATTEMPTS, **kwargs: Any) -> Any:
         url = f"{self.base_url}{path}"
-        retryable = (*NOT_SENT, *MAYBE_DONE) if path in IDEMPOTENT else NOT_SENT
-        for attempt in range(1, attempts + 1):
-            try:
-                async with self.session.request(method, url, timeout=self.timeout, **kwargs) as resp:
-                    if resp.status in RETRY_STATUS and attempt < attempts:
-                        raise _Retry(f"HTTP {resp.status}")
-                    try:
-                        body = await resp.json(content_type=None)
-                    except ValueError:
-                        raise EnvError(f"{method} {path}: HTTP {resp.status}: the answer is not JSON") from None
-                    if resp.status >= 400 or (isinstance(body, dict) and "error" in body):
-                        message = body.get("error") if isinstance(body, dict) else body
-                        raise EnvError(f"{method} {path}: HTTP {resp.status}: {message}")
-                    return body
-            except (*retryable, _Retry) as exc:
-                if attempt == attempts:
-                    raise _failure(method, path, exc) from exc
-                if attempt == 1:
-                    log.warning("%s %s failed (%s); retrying up to %d times", method, url, _describe(exc),
-                                attempts - 1)
-                await asyncio.sleep(BACKOFF_S * 2 ** (attempt - 1) * (0.5 + random.random()))
-            except MAYBE_DONE as exc:  # not retryable for this request
-                raise _failure(method, path, exc) from exc
-        raise AssertionError("unreachable")
+        retryable = (*NOT_SENT, *MAYBE_DONE, EnvBusy) if path in IDEMPOTENT else (*NOT_SENT, EnvBusy)
+
+        async def once() -> Any:
+            async with self.session.request(method, url, timeout=self.timeout, **kwargs) as resp:
+                try:
+                    body = await resp.json(content_type=None)
+                except ValueError:
+                    error = EnvError(f"{method} {path}: HTTP {resp.status}: the answer is not JSON")
+                else:
+                    if resp.status < 400 and not (isinstance(body, dict) and "error" in body):
+                        return body
+                    message = body.get("error") if isinstance(body, dict) else body
+                    error = EnvError(f"{method} {path}: HTTP {resp.status}: {message}")
+                if resp.status in RETRY_STATUS:
+                    raise EnvBusy(str(error))
+                raise error
+
+        try:
+            return await dataclasses.replace(POLICY, retryable=retryable, attempts=attempts).run(f"{method} {url}", once)
+        except (*NOT_SENT, *MAYBE_DONE) as exc:
+            raise _failure(method, path, exc) from exc
 
     async def health(self, attempts: int = MAX_ATTEMPTS) -> str:
         return await self._request("GET", "/", attempts=attempts)
@@ -183,10 +187,6 @@ def _number(body: dict[str, Any], field: str) -> float:
 
 def _fields(body: Any) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k not in ("observation", "state")} if isinstance(body, dict) else {}
-
-
-class _Retry(Exception):
-    pass
 
 
 def _describe(exc: BaseException) -> str:

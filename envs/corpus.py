@@ -7,7 +7,7 @@ episode's context adds (the messages our episode loop writes around the env's ow
 from __future__ import annotations
 
 import random
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from envs.base import make_env
 

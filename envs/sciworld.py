@@ -29,7 +29,7 @@ def _scienceworld():
         import scienceworld
     except ImportError as exc:
         raise ImportError(f"the sciworld env needs the scienceworld wheel and a Java runtime: "
-                          f"pip install openmanus-rl[sciworld] ({exc})")
+                          f"pip install openmanus-rl[sciworld] ({exc})") from exc
     return scienceworld
 
 

@@ -33,7 +33,8 @@ import logging
 import random
 import secrets
 import time
-from typing import Any, Callable, TypeVar
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 from aiohttp import web
 

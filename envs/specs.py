@@ -13,6 +13,8 @@ import dataclasses
 import re
 from typing import Any, Literal
 
+from common.config import EnvConfig
+
 Protocol = Literal["id", "env_idx"]
 Success = Literal["field", "done", "full_reward"]
 
@@ -101,3 +103,16 @@ def spec_for(name: str, protocol: Protocol | None = None) -> EnvSpec:
     """The spec of env `name`; `protocol` (env.protocol) overrides the family."""
     spec = SPECS.get(name, EnvSpec(name))
     return dataclasses.replace(spec, protocol=protocol) if protocol and protocol != spec.protocol else spec
+
+
+def spec_of(cfg: EnvConfig, name: str | None = None) -> EnvSpec:
+    """The spec the config gives env `name` (default: env.name): the known one, its family set by
+    env.protocol, and for env.name itself the fields env.spec sets."""
+    name = name or cfg.name
+    spec = spec_for(name, cfg.protocol)
+    if name != cfg.name:
+        return spec
+    fields = cfg.spec.model_dump(exclude_none=True)
+    if "reset_extra" in fields:
+        fields["reset_extra"] = tuple(fields["reset_extra"].items())
+    return dataclasses.replace(spec, **fields)

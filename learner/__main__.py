@@ -16,7 +16,7 @@ def main(argv: list[str] | None = None, preflight: Preflight | None = None) -> N
     add_config_args(parser)
     parser.add_argument("--steps", type=int, help="shorthand for --set learner.steps=N")
     args = parser.parse_args(argv)
-    cfg = config_from_args(args, [f"learner.steps={args.steps}"] if args.steps else [])
+    cfg = config_from_args(args, {"learner.steps": args.steps or None})
     if preflight is not None:
         preflight(cfg, args.debug)
     rank = os.environ.get("RANK", "0") if int(os.environ.get("WORLD_SIZE", "1")) > 1 else None

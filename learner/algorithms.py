@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -194,7 +194,7 @@ class LossConfig:
 def policy_loss(cur_logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
                 advantages: torch.Tensor, loss_mask: torch.Tensor, cfg: LossConfig,
                 norm_tokens: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Decoupled PPO with a capped behaviour weight (ARCHITECTURE.md, default loss).
+    """Decoupled PPO with a capped behaviour weight (docs/concepts/loss.md, the default loss).
 
     cur/prox/behav_logprobs, loss_mask: any shape S; advantages: S, or (N,) for S = (N, T).
     w = min(exp(lp - lb), C) (no grad), tokens with exp(lp - lb) > reject get weight 0;

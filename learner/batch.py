@@ -115,7 +115,7 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
         if steps is not None and len(turns) == len(steps):
             for (a, b), step in zip(turns, steps):
                 advantages[i, a:b] += step_weight * step
-        for (a, b), r in zip(turns, turn_reward_split(s, len(turns))):
+        for (_a, b), r in zip(turns, turn_reward_split(s, len(turns))):
             token_rewards[i, b - 1] += r
     generated[:, 0] = 0  # the first token has no prediction: always context
     loss_mask[:, 0] = 0

@@ -18,7 +18,8 @@ import dataclasses
 import logging
 import queue
 import threading
-from typing import Awaitable, Callable, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from redis.exceptions import ResponseError
 
@@ -73,7 +74,7 @@ class BrokerBridge:
         self._thread = threading.Thread(target=self._run, name="broker-bridge", daemon=True)
 
     # -- learner-thread side -------------------------------------------------------------
-    def start(self, timeout: float = 60.0) -> "BrokerBridge":
+    def start(self, timeout: float = 60.0) -> BrokerBridge:
         self._thread.start()
         if not self._ready.wait(timeout):
             raise TimeoutError("broker bridge did not connect to Redis in time")

@@ -15,8 +15,8 @@ import logging
 import os
 import re
 from collections import deque
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 

@@ -18,7 +18,7 @@ import contextlib
 import datetime
 import logging
 import os
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -80,8 +80,11 @@ class Single:
     def load_full_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
                         optim_state: dict) -> None:
         """The inverse of full_state, at this run's rank count (which may differ from the saver's)."""
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, set_model_state_dict,
-                                                             set_optimizer_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
 
         opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world > 1)
         # Two calls, not set_state_dict: given an empty model state (ranks > 0 receive theirs from

@@ -9,7 +9,7 @@ the whole batch. Pure torch; reading files and evaluating are the caller's (depl
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

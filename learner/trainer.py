@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from typing import Iterable, Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 from safetensors.torch import save as save_safetensors
@@ -23,8 +23,17 @@ from safetensors.torch import save as save_safetensors
 from common.config import LearnerConfig
 from common.timing import Timer
 from common.weight_sync import Packed, pack
-from learner.algorithms import (CRITIC_ALGORITHMS, LossConfig, add_stats, gae, kl_penalty, loss_metrics, policy_loss,
-                                value_loss, vtrace)
+from learner.algorithms import (
+    CRITIC_ALGORITHMS,
+    LossConfig,
+    add_stats,
+    gae,
+    kl_penalty,
+    loss_metrics,
+    policy_loss,
+    value_loss,
+    vtrace,
+)
 from learner.batch import Batch, MicroBatch, plan
 from learner.distributed import Single, resolve_device
 from learner.scoring import PolicyScorer

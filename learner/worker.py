@@ -32,14 +32,14 @@ import torch
 
 from broker.admission import floor_accepted
 from broker.weights import WeightStore
-from common.config import Config
+from common.config import Config, require_set
 from common.messages import decode_group
 from common.metrics import JsonlSink
 from common.models import load_causal_lm, save_policy
 from common.weight_sync import Packed
 from learner.batch import Batch, collate
-from learner.broadcast import BroadcastSender
 from learner.bridge import BrokerBridge, Delivery
+from learner.broadcast import BroadcastSender
 from learner.checkpoint import LearnerState, RecentIds, latest_checkpoint, read_checkpoint, save_checkpoint
 from learner.distributed import Single, setup
 from learner.trainer import Trainer
@@ -49,10 +49,7 @@ log = logging.getLogger(__name__)
 
 class Learner:
     def __init__(self, cfg: Config):
-        if not cfg.model.path:
-            raise SystemExit("error: model.path is unset: pass --set model.path=DIR (see `omrl init-model`)")
-        if not cfg.redis.url:
-            raise SystemExit("error: redis.url is unset: pass --set redis.url=redis://HOST:PORT/0")
+        require_set(cfg, "model.path", "redis.url")
         self.cfg = cfg
         self.stopped_by: int | None = None  # the signal that asked the learner to stop
         self.state = LearnerState()

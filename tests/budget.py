@@ -30,6 +30,7 @@ LONGEST_FIRST = [
     "tests/integration/test_bench.py",
     "tests/e2e/test_chaos.py",
     "tests/integration/test_real_env_runs.py",
+    "tests/integration/test_plugins.py",
     "tests/integration/test_env_sciworld.py",
     "tests/integration/test_learner_faults.py",
     "tests/integration/test_broadcast.py",

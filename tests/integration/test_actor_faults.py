@@ -21,8 +21,8 @@ from broker.keys import Keys
 from broker.streams import RolloutConsumer
 from broker.weights import WeightStore
 from common.config import load_config
-from common.metrics import read_jsonl
 from common.messages import decode_group
+from common.metrics import read_jsonl
 from envs.base import StepResult, register_env
 from envs.builtin import LettersEnv
 from envs.server import EnvServer, serve

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from redis.exceptions import AuthenticationError, NoPermissionError, ResponseError
+from redis.exceptions import AuthenticationError, NoPermissionError
 
 from broker.admission import Admission
 from broker.connection import connect
@@ -16,7 +16,7 @@ from broker.retry import RetryPolicy
 from broker.streams import RolloutProducer
 from broker.weights import WeightStore
 from common.config import RedisConfig
-from common.messages import decode_group, encode_group
+from common.messages import encode_group
 from learner.bridge import BrokerBridge
 from tests.groups import synthetic_group
 from tests.servers import has_tls, local_cluster, redis_binaries, tls_acl_server
@@ -103,7 +103,7 @@ def test_tls_password_and_acl_user(tmp_path, run_name):
                 await user.set("not-omrl:key", 1)  # the ACL user is limited to omrl:* keys
             await user.aclose()
             plain = connect(RedisConfig(url=f"redis://omrl:s3cret@127.0.0.1:{port}/0"))
-            with pytest.raises(Exception):  # a TLS port does not speak plain TCP
+            with pytest.raises(Exception):  # noqa: B017 - a TLS port does not speak plain TCP: any failure
                 await plain.ping()
             await plain.aclose()
 

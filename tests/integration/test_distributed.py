@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 from deploy.supervisor import learner_launcher

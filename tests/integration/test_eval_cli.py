@@ -5,8 +5,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
 
 def omrl_eval(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "deploy.cli", "eval", *args], capture_output=True, text=True,

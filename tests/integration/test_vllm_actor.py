@@ -103,7 +103,7 @@ def test_episode_is_token_exact(engine, cfg, loop):
 
     samples = loop.run_until_complete(scenario())
     tok = engine.tokenizer
-    for task, s in enumerate(samples):
+    for s in samples:
         assert s.finish_reason == "done" and s.num_turns == 3
         assert s.reward == pytest.approx(float(s.turn_rewards.sum()))
         gen = s.loss_mask.astype(bool)

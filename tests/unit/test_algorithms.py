@@ -4,8 +4,19 @@ import numpy as np
 import pytest
 import torch
 
-from learner.algorithms import (ESTIMATORS, LossConfig, advantages, discounted_returns, gae, gigpo_step_advantages,
-                                has_signal, kl_penalty, loss_metrics, policy_loss, vtrace)
+from learner.algorithms import (
+    ESTIMATORS,
+    LossConfig,
+    advantages,
+    discounted_returns,
+    gae,
+    gigpo_step_advantages,
+    has_signal,
+    kl_penalty,
+    loss_metrics,
+    policy_loss,
+    vtrace,
+)
 from learner.scoring import head_logprobs
 
 

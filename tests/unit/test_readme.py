@@ -1,8 +1,8 @@
 """The README opens with the two commands that CI and new users run; keep them honest."""
 
+import tomllib
 from pathlib import Path
 
-import tomllib
 import yaml
 
 from common.config import load_config

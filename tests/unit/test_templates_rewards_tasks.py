@@ -1,10 +1,13 @@
 """Action templates, reward functions and task files: pure functions, no server."""
 
+import asyncio
+
 import pytest
 
 from actors.templates import make_template
 from common.config import EnvConfig
-from envs.rewards import REWARDS, Episode, check_weights, combine
+from envs import rewards
+from envs.rewards import REWARDS, Episode, EpisodeTurn, check_weights
 from envs.specs import spec_for
 from envs.tasks import read_tasks, task_split, write_task_files
 
@@ -34,10 +37,15 @@ def test_unknown_template_names_the_field():
         make_template("xml")
 
 
-def episode(**kw) -> Episode:
-    base = dict(turn_rewards=[0.0, 0.25, 0.5], valid_actions=[False, True, True], success=True,
-                generated_tokens=30, token_budget=120, finish_reason="done")
-    return Episode(**{**base, **kw})
+def episode(turn_rewards=(0.0, 0.25, 0.5), valid_actions=(False, True, True), **kw) -> Episode:
+    turns = [EpisodeTurn("x", "x" if valid else None, "obs", reward, False) for reward, valid in
+             zip(turn_rewards, valid_actions, strict=True)]
+    base = dict(success=True, generated_tokens=30, token_budget=120, finish_reason="done")
+    return Episode(turns=turns, **{**base, **kw})
+
+
+def combine(weights, episode):
+    return asyncio.run(rewards.combine(weights, episode))
 
 
 def test_each_reward_function():
@@ -47,7 +55,7 @@ def test_each_reward_function():
     assert REWARDS["format"](ep) == pytest.approx(2 / 3)
     assert REWARDS["process"](ep) == pytest.approx(2 / 3)
     assert REWARDS["length"](ep) == pytest.approx(-0.25)
-    assert REWARDS["format"](episode(valid_actions=[])) == 0.0
+    assert REWARDS["format"](episode(turn_rewards=[], valid_actions=[])) == 0.0
     assert combine({"env": 1.0, "format": 0.3, "length": 0.1}, ep) == pytest.approx(0.75 + 0.2 - 0.025)
     with pytest.raises(ValueError, match="unknown reward functions \\['speed'\\] in actor.rewards"):
         check_weights({"env": 1.0, "speed": 1.0})

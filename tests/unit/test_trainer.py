@@ -99,8 +99,8 @@ def test_more_minibatches_than_samples_step_only_on_samples(tiny_model):
 
 
 def test_tied_output_layer_is_published_once(tmp_path):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
     from safetensors.torch import load as load_safetensors
+    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from learner.trainer import Trainer
 

@@ -11,8 +11,21 @@ import pytest
 import torch
 
 from actors.chat import ChatFormat, PlainFormat
-from actors.trajectories import TrajectoryError, load_conversations, read_episodes, tokenize, with_tokens, write_episodes
-from common.models import TINY_CHAT_TEMPLATE, build_char_tokenizer, build_word_tokenizer, init_tiny_model, load_causal_lm
+from actors.trajectories import (
+    TrajectoryError,
+    load_conversations,
+    read_episodes,
+    tokenize,
+    with_tokens,
+    write_episodes,
+)
+from common.models import (
+    TINY_CHAT_TEMPLATE,
+    build_char_tokenizer,
+    build_word_tokenizer,
+    init_tiny_model,
+    load_causal_lm,
+)
 from learner.sft import SFTTrainer
 
 # AgentGym's AgentTraj layout: an instruction turn, the agent's "OK" (not trained on: loss false),

@@ -1,0 +1,26 @@
+"""`omrl collect`: an env's oracle (or random policy) plays tasks; the episodes as a trajectory
+file (deploy/trajectories.py)."""
+
+from __future__ import annotations
+
+import argparse
+
+from common.cli import add_config_args
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    add_config_args(p)
+    p.add_argument("--env", required=True, help="env name (env.name)")
+    p.add_argument("--policy", choices=("oracle", "random"), default="oracle", help="who plays (our env server's)")
+    p.add_argument("--episodes", type=int, required=True, help="episodes to play: the first N tasks of the split")
+    p.add_argument("--out", required=True, help="the parquet file to write")
+    p.add_argument("--model", help="whose tokenizer and chat template (model.path); default: the tiny model's")
+    p.add_argument("--tasks", help="task files directory (env.tasks); default: the env's own split")
+    p.add_argument("--split", choices=("train", "test"), default="train", help="which split's tasks (default train)")
+    p.add_argument("--only-success", action="store_true", help="keep only the episodes that solved their task")
+
+
+def main(args: argparse.Namespace) -> int:
+    from deploy.trajectories import collect_main
+
+    return collect_main(args)

@@ -1,0 +1,39 @@
+"""`omrl init-model DIR`: a tiny Qwen2 model with random weights and its tokenizer."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("dir")
+    p.add_argument("--hidden", type=int, default=128)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=2)
+    p.add_argument("--intermediate", type=int, help="the MLP's width (default: 2 x hidden)")
+    p.add_argument("--tie-embeddings", action="store_true", help="one matrix for the input embedding and output layer")
+    p.add_argument("--tokenizer", choices=("char", "word"), default="char",
+                   help="char: one token per character; word: one token per word of --env's text")
+    p.add_argument("--env", help="the env whose text the word tokenizer learns (played by its oracle and random policy)")
+    p.add_argument("--tasks", help="task files directory: the word tokenizer reads episodes of its train split")
+    p.add_argument("--env-episodes", type=int, default=400, help="episodes of --env's text to learn the words from")
+
+
+def main(args: argparse.Namespace) -> int:
+    from common.config import EnvConfig
+    from common.models import build_word_tokenizer, init_tiny_model
+
+    tokenizer = None
+    if args.tokenizer == "word":
+        if not args.env:
+            print("error: --tokenizer word learns its words from an env's text: pass --env NAME", file=sys.stderr)
+            return 2
+        from envs.corpus import env_texts
+        from envs.tasks import task_split
+
+        train, _test = task_split(EnvConfig(name=args.env, tasks=args.tasks))
+        tokenizer = build_word_tokenizer(env_texts(args.env, train, episodes=args.env_episodes))
+    print(init_tiny_model(args.dir, hidden=args.hidden, layers=args.layers, heads=args.heads,
+                          tie_embeddings=args.tie_embeddings, tokenizer=tokenizer, intermediate=args.intermediate))
+    return 0
