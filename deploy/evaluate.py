@@ -48,7 +48,12 @@ def main(args: argparse.Namespace) -> int:
         raise SystemExit("error: --policy model needs --model PATH (or model.path)")
     if args.episodes < 1:
         raise SystemExit("error: --episodes must be at least 1")
-    results = asyncio.run(_evaluate_all(cfg, args))
+    from envs.base import EpisodeError
+
+    try:
+        results = asyncio.run(_evaluate_all(cfg, args))
+    except EpisodeError as exc:  # an env server that fails, a reward function that fails: one line
+        raise SystemExit(f"error: {exc}") from None
     rows = [dataclasses.asdict(r) for r in results]
     text = json.dumps(rows, indent=2)
     if args.out:

@@ -39,3 +39,7 @@ def test_bad_arguments_are_refused_in_one_line():
     assert done.returncode != 0 and "needs --model PATH" in done.stderr
     done = omrl_eval("--env", "letters", "--env", "babyai", "--env-url", "http://127.0.0.1:1")
     assert done.returncode != 0 and "--env-url names one server" in done.stderr
+    # An env server that is not there: one line naming it, no traceback.
+    done = omrl_eval("--env", "letters", "--policy", "oracle", "--env-url", "http://127.0.0.1:9", "--episodes", "2")
+    assert done.returncode == 1 and "error: " in done.stderr and "127.0.0.1:9" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
