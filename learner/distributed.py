@@ -7,9 +7,12 @@
 - `fsdp2`: `fully_shard` per decoder layer and on the root: parameters, gradients and
   optimizer state are sharded across ranks.
 
-torchrun sets RANK, WORLD_SIZE and LOCAL_RANK. The backend is NCCL when the learner's
-device is CUDA and gloo on CPU; the control messages (rank 0's plan for each step) always
-go over a gloo group, so the code is the same on both.
+torchrun sets RANK, WORLD_SIZE and LOCAL_RANK. On CUDA the group has NCCL for CUDA tensors
+and gloo for CPU ones ("cpu:gloo,cuda:nccl": an NCCL-only group fails on the first CPU
+tensor); on CPU it is gloo. The control messages (rank 0's plan for each step) go over a
+gloo group. The trainer's own reductions go through `sum`, which takes Python numbers and
+puts them on the training device itself: no caller picks a tensor's device for a
+collective, and every collective here checks that its tensor's device has a backend.
 """
 
 from __future__ import annotations
@@ -55,8 +58,9 @@ class Single:
         """Around a micro-batch's backward: skip the gradient exchange (all but the last)."""
         yield
 
-    def all_reduce(self, t: torch.Tensor, op=None) -> torch.Tensor:
-        return t
+    def sum(self, values: list[float]) -> list[float]:
+        """Each value summed over the ranks (float64)."""
+        return list(values)
 
     def full_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
                    ) -> tuple[dict, dict]:
@@ -96,24 +100,39 @@ class Single:
         pass
 
 
+def backends_for(device: torch.device) -> dict[str, str]:
+    """{device type: backend} of the learner's process group on `device`."""
+    return {"cpu": "gloo", "cuda": "nccl"} if device.type == "cuda" else {"cpu": "gloo"}
+
+
 class _Distributed(Single):
     def __init__(self, device: torch.device):
         super().__init__(device)
-        backend = "nccl" if device.type == "cuda" else "gloo"
+        self.backends = backends_for(device)
+        backend = ",".join(f"{kind}:{name}" for kind, name in self.backends.items())
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
                                 timeout=datetime.timedelta(minutes=30))
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.is_main = self.rank == 0
         # Control messages (bytes) on the CPU, whatever the device.
-        self.control = dist.new_group(backend="gloo") if backend != "gloo" else dist.group.WORLD
+        self.control = dist.new_group(backend="gloo") if device.type != "cpu" else dist.group.WORLD
         log.info("rank %d of %d on %s (%s)", self.rank, self.world, device, backend)
 
-    def all_reduce(self, t: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-        dist.all_reduce(t, op=op)
+    def checked(self, t: torch.Tensor) -> torch.Tensor:
+        """`t`, refused unless the group has a backend for its device (what NCCL enforces with
+        "No backend type associated with device type cpu", checked here on every device)."""
+        if t.device.type not in self.backends:
+            raise RuntimeError(f"a collective was handed a {t.device.type} tensor, but the learner's group has "
+                               f"backends for {sorted(self.backends)} only: make it on {self.device}")
         return t
 
+    def sum(self, values: list[float]) -> list[float]:
+        t = self.checked(torch.tensor(values, dtype=torch.float64, device=self.device))
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t.tolist()
+
     def broadcast_bytes(self, data: bytes | None) -> bytes:
-        size = torch.tensor([len(data) if self.is_main else 0], dtype=torch.long)
+        size = torch.tensor([len(data) if self.is_main else 0], dtype=torch.long)  # the control group: CPU
         dist.broadcast(size, 0, group=self.control)
         buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if self.is_main else \
             torch.empty(int(size), dtype=torch.uint8)

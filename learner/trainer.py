@@ -98,8 +98,7 @@ class Trainer:
                 totals = add_stats(totals, stats)
                 grad_norms.append(grad_norm)
         self.optimizer.zero_grad(set_to_none=True)
-        summed = self.parallel.all_reduce(torch.tensor([float(totals.get(k, 0.0)) for k in STATS], dtype=torch.float64))
-        summed = dict(zip(STATS, summed.tolist()))
+        summed = dict(zip(STATS, self.parallel.sum([float(totals.get(k, 0.0)) for k in STATS])))
         metrics = {f"learner/{k}": v for k, v in loss_metrics(summed).items()}
         if self.critic:
             metrics["learner/loss/value"] = summed["value_loss"] / updates
@@ -160,8 +159,8 @@ class Trainer:
                                       cfg.gae_lambda, cfg.vtrace_rho_bar, cfg.vtrace_c_bar)
             adv = torch.where(use_vtrace[:, None], adv_v, adv)
             returns = torch.where(use_vtrace[:, None], returns_v, returns)
-        total, squares, count = self.parallel.all_reduce(torch.tensor(
-            [float((adv * mask).sum()), float((adv ** 2 * mask).sum()), float(mask.sum())], dtype=torch.float64)).tolist()
+        total, squares, count = self.parallel.sum([float((adv * mask).sum()), float((adv ** 2 * mask).sum()),
+                                                   float(mask.sum())])
         mean = total / max(count, 1.0)
         std = max(squares / max(count, 1.0) - mean ** 2, 0.0) ** 0.5
         batch.advantages = (adv - mean) / (std + 1e-6 if cfg.scale_advantages else 1.0) * mask
@@ -192,8 +191,8 @@ class Trainer:
             grad_norm = torch.nn.utils.clip_grad_norm_(self.scorer.parameters(), self.cfg.grad_clip)
             grad_norm = grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm
             # Bad numbers never reach the weights: a non-finite loss or gradient on any rank skips the update.
-            bad = self.parallel.all_reduce(torch.tensor([float(not torch.isfinite(stats.get("loss", torch.zeros(()))))]))
-            finite = bool(torch.isfinite(grad_norm)) and float(bad) == 0
+            [bad] = self.parallel.sum([float(not torch.isfinite(stats.get("loss", torch.zeros(()))))])
+            finite = bool(torch.isfinite(grad_norm)) and bad == 0
             if finite:
                 self.optimizer.step()
             else:

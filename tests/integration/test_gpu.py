@@ -65,3 +65,24 @@ def test_chunked_output_layer_matches_full_logits_on_cuda(wide_model):
             logp16, _, _ = PolicyScorer(lm, vocab_chunk=16)(tokens, torch.ones_like(tokens), rows, temperature)
     assert logp16.dtype == torch.float32
     assert float((logp16 - ref_logp).abs().mean()) < 2e-2  # bf16 matmuls, fp32 softmax
+
+
+@pytest.mark.parametrize("kind", ["ddp", "fsdp2"])
+def test_a_step_through_a_real_nccl_group(wide_model, kind, monkeypatch):
+    """Defect 1 of issue 25: every collective of a step (the trainer's sums, the gradient
+    all-reduce or FSDP2's gathers, the global gradient norm) through the learner's NCCL group,
+    one rank; CPU tensors must never reach NCCL."""
+    from broker.embedded import free_port
+    from learner.distributed import KINDS, resolve_device
+    from learner.trainer import Trainer
+
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0"}.items():
+        monkeypatch.setenv(key, value)
+    parallel = KINDS[kind](resolve_device("cuda", 0))
+    try:
+        trainer = Trainer(load_causal_lm(wide_model), LearnerConfig(precision="bf16", minibatches=2), parallel=parallel)
+        metrics = trainer.train_step(collate(varied_groups()))
+        assert metrics["learner/skipped_nonfinite"] == 0 and metrics["learner/grad_norm"] > 0
+    finally:
+        parallel.close()

@@ -1,0 +1,50 @@
+"""Collectives on the right device (issue 25, defect 1: an NCCL group has no CPU backend, so a
+CPU tensor in a collective of the learner's group killed every multi-GPU run at step 1).
+
+The learner's group has a backend for every device type its tensors can be on, each collective
+checks it, and the trainer never builds a tensor for a collective: it hands Python numbers to
+`parallel.sum`. Emulated here on a CPU: a group with only an NCCL backend refuses a CPU tensor,
+as NCCL does. On a GPU, tests/integration/test_gpu.py trains through a real NCCL group."""
+
+import ast
+from pathlib import Path
+
+import pytest
+import torch
+
+from learner.distributed import Single, _Distributed, backends_for
+
+ROOT = Path(__file__).resolve().parents[2]
+COLLECTIVES = {"all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "reduce", "gather", "scatter", "all_to_all", "send", "recv", "barrier"}
+
+
+def test_a_cuda_group_has_a_backend_for_cpu_tensors_too():
+    assert backends_for(torch.device("cuda", 3)) == {"cpu": "gloo", "cuda": "nccl"}
+    assert backends_for(torch.device("cpu")) == {"cpu": "gloo"}
+
+
+def test_a_collective_refuses_a_tensor_whose_device_has_no_backend():
+    nccl_only = object.__new__(_Distributed)  # as an NCCL-only group would be: no process group needed
+    nccl_only.device, nccl_only.backends = torch.device("cpu"), {"cuda": "nccl"}
+    with pytest.raises(RuntimeError, match=r"a cpu tensor, but the learner's group has backends for \['cuda'\] only"):
+        nccl_only.sum([1.0, 2.0])
+    assert Single(torch.device("cpu")).sum([1.0, 2.0]) == [1.0, 2.0]
+
+
+def test_only_the_parallel_layer_calls_collectives():
+    """torch.distributed's collectives are called in learner/distributed.py (checked there) and in
+    the weight transport's rendezvous (common/weight_sync.py, which sends on the group's device);
+    the trainer and the worker go through `parallel`, and nothing calls an `all_reduce` of theirs."""
+    allowed = {"learner/distributed.py", "common/weight_sync.py"}
+    offenders = []
+    for path in sorted(ROOT.glob("*/**/*.py")):
+        rel = path.relative_to(ROOT).as_posix()
+        if rel.startswith((".venv/", "tests/")) or rel in allowed:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), rel)):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES:
+                owner = node.func.value
+                if isinstance(owner, ast.Name) and owner.id in ("dist", "distributed") or node.func.attr == "all_reduce":
+                    offenders.append(f"{rel}:{node.lineno} {ast.unparse(node.func)}")
+    assert offenders == [], offenders
