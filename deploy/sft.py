@@ -113,8 +113,11 @@ async def fine_tune(cfg: Config, data: list[str], out: Path) -> Path:
              sorted(eval_steps) if sft.eval_episodes else "none")
     torch.manual_seed(sft.seed)
     model = load_causal_lm(cfg.model.path)
-    trainer = SFTTrainer(model, sft.lr, total, sft.warmup, max_tokens_per_microbatch=sft.max_tokens_per_microbatch,
-                         pad_id=model.config.pad_token_id or 0)
+    if cfg.learner.ranks > 1:
+        log.warning("omrl sft trains in one process: learner.ranks=%d is not used", cfg.learner.ranks)
+    trainer = SFTTrainer(model, cfg.learner, sft, total, pad_id=model.config.pad_token_id or 0)
+    log.info("training on %s (%s, gradient checkpointing %s)", trainer.device, cfg.learner.precision,
+             "on" if cfg.learner.gradient_checkpointing else "off")
     out.mkdir(parents=True, exist_ok=True)
     (out / "sft_metrics.jsonl").unlink(missing_ok=True)
     sink = JsonlSink(out / "sft_metrics.jsonl")

@@ -3,7 +3,11 @@
 PolicyScorer and micro-batched as the learner does: each batch is cut into micro-batches of at
 most `max_tokens_per_microbatch` padded tokens whose gradients are accumulated, every
 micro-batch's loss divided by the batch's trained-token count, so a step equals one forward of
-the whole batch. Pure torch; reading files and evaluating are the caller's (deploy/sft.py).
+the whole batch. It trains as the RL learner does (learner/trainer.py's `place` and `autocast`):
+on learner.device, fp32 master weights and AdamW state, learner.precision's compute (bf16
+autocast), learner.gradient_checkpointing, the output layer in learner.vocab_chunk columns.
+One process: learner.ranks is not used. Pure torch; reading files and evaluating are the
+caller's (deploy/sft.py).
 """
 
 from __future__ import annotations
@@ -14,23 +18,30 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from common.config import LearnerConfig, SFTConfig
 from learner.batch import microbatches
+from learner.distributed import resolve_device
 from learner.scoring import PolicyScorer
+from learner.trainer import autocast, place
 
 Example = tuple[Sequence[int], Sequence[int]]  # (tokens, loss_mask) of one episode
 
 
 class SFTTrainer:
-    def __init__(self, model: torch.nn.Module, lr: float, total_steps: int, warmup_steps: int = 0,
-                 weight_decay: float = 0.0, grad_clip: float = 1.0, max_tokens_per_microbatch: int = 16384,
-                 vocab_chunk: int = 8192, pad_id: int = 0, device: str = "cpu"):
-        self.device = torch.device(device)
-        self.scorer = PolicyScorer(model, vocab_chunk).to(self.device)
-        self.optimizer = torch.optim.AdamW(self.scorer.parameters(), lr=lr, weight_decay=weight_decay)
+    """`learner` says where and how to compute (device, precision, gradient checkpointing,
+    vocab_chunk, weight_decay, grad_clip); `sft` what to train (lr, warm-up, micro-batch size)."""
+
+    def __init__(self, model: torch.nn.Module, learner: LearnerConfig, sft: SFTConfig, total_steps: int,
+                 pad_id: int = 0):
+        self.device = resolve_device(learner.device, 0)
+        self.precision = learner.precision
+        self.scorer = PolicyScorer(place(model, learner, self.device), learner.vocab_chunk).to(self.device)
+        self.optimizer = torch.optim.AdamW(self.scorer.parameters(), lr=sft.lr, weight_decay=learner.weight_decay)
         # Linear warm-up, then cosine decay to a tenth of `lr` at `total_steps`.
+        warmup = sft.warmup
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(
-            (s + 1) / max(1, warmup_steps), 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / max(1, total_steps))))))
-        self.grad_clip, self.max_tokens, self.pad_id = grad_clip, max_tokens_per_microbatch, pad_id
+            (s + 1) / max(1, warmup), 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / max(1, total_steps))))))
+        self.grad_clip, self.max_tokens, self.pad_id = learner.grad_clip, sft.max_tokens_per_microbatch, pad_id
 
     def step(self, examples: Sequence[Example]) -> dict[str, float]:
         """One optimizer step on `examples`; the mean NLL per trained token and the step's figures."""
@@ -43,7 +54,7 @@ class SFTTrainer:
         for idx in microbatches(list(range(len(examples))), lengths, self.max_tokens):
             loss = self._nll([examples[i] for i in idx]) / n_train
             loss.backward()
-            total += float(loss)
+            total += float(loss.detach())
         grad_norm = torch.nn.utils.clip_grad_norm_(self.scorer.parameters(), self.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -75,10 +86,11 @@ class SFTTrainer:
             trained[i, :len(m)] = torch.as_tensor(m, dtype=torch.bool)
         trained[:, 0] = False  # the first token has nothing to be predicted from
         rows = trained.nonzero().to(self.device)  # (M, 2)
-        logp, _entropy, _values = self.scorer(tokens.to(self.device), attention.to(self.device), rows,
-                                              torch.ones(len(rows), device=self.device))  # (M,)
-        return -logp.sum()
+        with autocast(self.device, self.precision):
+            logp, _entropy, _values = self.scorer(tokens.to(self.device), attention.to(self.device), rows,
+                                                  torch.ones(len(rows), device=self.device))  # (M,)
+        return -logp.float().sum()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The causal LM's weights, named as in Hugging Face (what `save_pretrained` and vLLM take)."""
-        return {k: v.detach() for k, v in self.scorer.lm.state_dict().items()}
+        return {k: v.detach().cpu() for k, v in self.scorer.lm.state_dict().items()}

@@ -45,15 +45,28 @@ STATS = ("tokens", "kept", "w", "w2", "kl", "truncated", "rejected", "clipped", 
          "generated", "value_loss", "kl_ref")  # summed over micro-batches, updates and ranks
 
 
+def place(model: torch.nn.Module, cfg: LearnerConfig, device: torch.device) -> torch.nn.Module:
+    """The model on the training device in fp32 (master weights; bf16 only inside `autocast`),
+    recomputing each layer's activations in backward with learner.gradient_checkpointing.
+    RL's Trainer and SFT's take their model through here."""
+    model = model.to(device)
+    if cfg.gradient_checkpointing:
+        model.config.use_cache = False
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
+def autocast(device: torch.device, precision: str):
+    """learner.precision's compute: bf16 autocast over the fp32 weights, or plain fp32."""
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
+
+
 class Trainer:
     def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, parallel: Single | None = None):
         self.cfg = cfg
         self.parallel = parallel or Single(resolve_device(cfg.device, 0))
         self.device = self.parallel.device
-        self.model = model.to(self.device)  # fp32 master weights; bf16 only inside autocast
-        if cfg.gradient_checkpointing:
-            model.config.use_cache = False
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        self.model = place(model, cfg, self.device)
         self.critic = cfg.algorithm in CRITIC_ALGORITHMS
         self.reference: PolicyScorer | None = None  # the frozen starting policy, for the KL penalty
         if cfg.kl_coef > 0:
@@ -71,7 +84,7 @@ class Trainer:
         self.skipped_nonfinite = 0  # optimizer steps skipped for a non-finite loss or gradient
 
     def _autocast(self):
-        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.cfg.precision == "bf16")
+        return autocast(self.device, self.cfg.precision)
 
     def _score(self, mb: MicroBatch, scorer: torch.nn.Module | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:

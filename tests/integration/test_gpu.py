@@ -86,3 +86,18 @@ def test_a_step_through_a_real_nccl_group(wide_model, kind, monkeypatch):
         assert metrics["learner/skipped_nonfinite"] == 0 and metrics["learner/grad_norm"] > 0
     finally:
         parallel.close()
+
+
+def test_sft_trains_on_the_gpu_in_bf16(wide_model):
+    """Defect 5 of issue 25: `omrl sft` trained on the CPU in fp32 whatever the learner said."""
+    from common.config import SFTConfig
+    from learner.sft import SFTTrainer
+
+    trainer = SFTTrainer(load_causal_lm(wide_model), LearnerConfig(precision="bf16", gradient_checkpointing=True),
+                         SFTConfig(lr=1e-2, warmup=0, max_tokens_per_microbatch=64), total_steps=2)
+    assert trainer.device.type == "cuda" and all(p.is_cuda and p.dtype == torch.float32
+                                                  for p in trainer.scorer.parameters())
+    examples = [([3 + i % 40 for i in range(n)], [int(i % 3 == 0) for i in range(n)]) for n in (7, 12, 30, 5, 18)]
+    first = trainer.step(examples)
+    assert first["sft/grad_norm"] > 0 and trainer.evaluate(examples) < first["sft/loss"]
+    assert all(t.device.type == "cpu" for t in trainer.state_dict().values())  # what save_pretrained and vLLM take

@@ -19,6 +19,7 @@ from actors.trajectories import (
     with_tokens,
     write_episodes,
 )
+from common.config import LearnerConfig, SFTConfig
 from common.models import (
     TINY_CHAT_TEMPLATE,
     build_char_tokenizer,
@@ -27,6 +28,8 @@ from common.models import (
     load_causal_lm,
 )
 from learner.sft import SFTTrainer
+
+CPU = LearnerConfig(device="cpu")  # where the SFT tests train
 
 # AgentGym's AgentTraj layout: an instruction turn, the agent's "OK" (not trained on: loss false),
 # then observations and actions; `item_id` names the env and the task.
@@ -137,7 +140,7 @@ def reference_nll(model, examples) -> float:
 
 def test_sft_loss_is_the_nll_of_agent_tokens_and_blind_to_the_rest(lm):
     model = load_causal_lm(lm)
-    trainer = SFTTrainer(model, lr=1e-3, total_steps=10, max_tokens_per_microbatch=40)
+    trainer = SFTTrainer(model, CPU, SFTConfig(lr=1e-3, max_tokens_per_microbatch=40), total_steps=10)
     a = ([5, 9, 12, 3, 7, 7, 2, 30, 31], [0, 0, 0, 1, 1, 0, 0, 1, 0])
     b = ([8, 1, 4, 4, 20], [0, 0, 1, 1, 1])
     nll = trainer.evaluate([a, b])
@@ -157,7 +160,7 @@ def test_micro_batching_gives_the_step_of_one_forward(lm):
     for max_tokens in (16, 100_000):
         torch.manual_seed(0)
         model = load_causal_lm(lm)
-        trainer = SFTTrainer(model, lr=1e-2, total_steps=1, max_tokens_per_microbatch=max_tokens)
+        trainer = SFTTrainer(model, CPU, SFTConfig(lr=1e-2, max_tokens_per_microbatch=max_tokens), total_steps=1)
         # Plain SGD, so the weights show the gradient (Adam's first step is about lr x its sign).
         trainer.optimizer = torch.optim.SGD(trainer.scorer.parameters(), lr=1.0)
         metrics = trainer.step(examples)
@@ -165,6 +168,32 @@ def test_micro_batching_gives_the_step_of_one_forward(lm):
     (l1, g1, s1), (l2, g2, s2) = steps.values()
     assert l1 == pytest.approx(l2, rel=1e-5) and g1 == pytest.approx(g2, rel=1e-4)
     assert all(torch.allclose(s1[k], s2[k], atol=1e-6) for k in s1)
+
+
+def sft_gradients(lm, examples, **learner) -> tuple[float, dict[str, torch.Tensor]]:
+    """The loss and the gradients of one SFT step, with the learner settings `learner`."""
+    torch.manual_seed(0)
+    trainer = SFTTrainer(load_causal_lm(lm), LearnerConfig(device="cpu", **learner),
+                         SFTConfig(max_tokens_per_microbatch=40), total_steps=1)
+    assert trainer.scorer.lm.is_gradient_checkpointing == learner.get("gradient_checkpointing", False)
+    grads = {}
+    trainer.optimizer.step = lambda: grads.update({n: p.grad.clone() for n, p in trainer.scorer.named_parameters()})
+    return trainer.step(examples)["sft/loss"], grads
+
+
+def test_sft_trains_as_the_learner_does_bf16_and_gradient_checkpointing(lm):
+    """SFT computes as learner.precision and learner.gradient_checkpointing say, through the RL
+    trainer's own placement and autocast."""
+    examples = [([3 + i % 40 for i in range(n)], [int(i % 3 == 0) for i in range(n)]) for n in (7, 12, 30, 5, 18)]
+    loss, grads = sft_gradients(lm, examples)
+    recomputed_loss, recomputed = sft_gradients(lm, examples, gradient_checkpointing=True)
+    assert recomputed_loss == pytest.approx(loss, rel=1e-6)
+    for name, g in grads.items():
+        torch.testing.assert_close(recomputed[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    bf16_loss, bf16 = sft_gradients(lm, examples, precision="bf16")
+    assert bf16_loss == pytest.approx(loss, rel=2e-2) and bf16_loss != loss  # bf16 rounding shows, and stays small
+    for name, g in grads.items():
+        assert float((bf16[name] - g).norm()) <= 5e-2 * float(g.norm()) + 5e-4, name
 
 
 def test_the_word_tokenizer_makes_each_word_one_token_and_decodes_exactly(tmp_path):
