@@ -250,7 +250,8 @@ class LearnerConfig(Section):
     gigpo_step_weight: float = Field(1.0, ge=0)
     """gigpo: weight of the step-level advantages added to the episode-level ones."""
     kl_coef: float = Field(0.0, ge=0)
-    """Weight of a KL penalty to the frozen starting model (0: off, no reference kept)."""
+    """Weight of a KL penalty to the frozen starting model (0: off, no reference kept). The reference is
+    kept in the compute's precision (bf16 under learner.precision = "bf16"), sharded under fsdp2."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """The per-token KL estimator: k1 (log ratio) or k3 (exp(-k1) - 1 + k1, never negative)."""
     token_sum_norm: int | None = Field(None, ge=1)
@@ -309,7 +310,7 @@ class LearnerConfig(Section):
     """Learner processes (`omrl run` starts them with torchrun); rank 0 reads the broker and publishes."""
     parallel: Literal["ddp", "fsdp2"] = "ddp"
     """With ranks > 1: ddp (each rank holds the model) or fsdp2 (parameters, gradients and optimizer
-    state sharded per decoder layer)."""
+    state sharded per decoder layer; built on the meta device, each rank reading only its shards)."""
     checkpoint_async: bool = True
     """Write checkpoints from a background thread (training goes on; the groups they hold are
     acknowledged once the file is durable). A checkpoint due while the previous one is still being
@@ -574,7 +575,7 @@ def model_defaults(tree: dict[str, Any]) -> dict[str, Any]:
         hf = json.loads((path / "config.json").read_text())
     except (OSError, ValueError):
         return out  # preflight reports an unreadable model
-    if _parameters(hf) < REAL_SIZE:
+    if count_parameters(hf) < REAL_SIZE:
         return out
     out.update(REAL_MODEL)
     if isinstance(hf.get("max_position_embeddings"), int):
@@ -586,7 +587,7 @@ def model_defaults(tree: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _parameters(hf: dict[str, Any]) -> int:
+def count_parameters(hf: dict[str, Any]) -> int:
     """About how many parameters a decoder-only model of this config.json has (embeddings, attention
     with its key-value heads, gated MLP); 0 where the config does not say."""
     try:

@@ -40,6 +40,8 @@ COMMANDS: dict[str, Command] = {
     "learner": Command("learner.__main__", "run the learner", role=True),
     "doctor": Command("deploy.commands.doctor",
                       "check everything a run needs (model, Redis, env server, ports, run dir, GPU)"),
+    "plan": Command("deploy.commands.plan",
+                    "will it fit: the learner's and vLLM's memory per GPU from the config and config.json"),
 }
 ROLE_WAIT_S = 30.0  # a role started beside its servers (compose, Kubernetes) gives them this to come up
 

@@ -5,7 +5,12 @@
 - `ddp`: every rank holds the whole model; gradients are all-reduced (averaged) on the last
   micro-batch of each optimizer step.
 - `fsdp2`: `fully_shard` per decoder layer and on the root: parameters, gradients and
-  optimizer state are sharded across ranks.
+  optimizer state are sharded across ranks. The model is built on the meta device, its
+  decoder layers sharded, and each rank reads only its shard of every layer's tensors from
+  the safetensors files (`load_model`); the rest (embeddings, final norm, output layer) is
+  read whole and sharded by `wrap`, whose root unit is the scorer that calls them: no rank
+  ever holds a whole copy of the model. With learner.precision = "bf16" the shards
+  are gathered in bf16 for compute and gradients reduced in fp32 (a MixedPrecisionPolicy).
 
 torchrun sets RANK, WORLD_SIZE and LOCAL_RANK. On CUDA the group has NCCL for CUDA tensors
 and gloo for CPU ones ("cpu:gloo,cuda:nccl": an NCCL-only group fails on the first CPU
@@ -22,6 +27,7 @@ import datetime
 import logging
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -50,8 +56,18 @@ class Single:
     def __init__(self, device: torch.device):
         self.device = device
 
-    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        return module
+    def wrap(self, module: torch.nn.Module, frozen: bool = False) -> torch.nn.Module:
+        """`module` as this parallel layer trains it (`frozen`: a model that only scores, such as
+        the KL reference: sharded, never wrapped for gradients)."""
+        return module.to(self.device)
+
+    def load_model(self, path: str, dtype: str = "float32", trainable: bool = True) -> torch.nn.Module:
+        """The causal LM of `path` in `dtype` (a frozen one with trainable=False), as this rank
+        holds it: here whole, on the CPU (the trainer places it)."""
+        from common.models import load_causal_lm
+
+        model = load_causal_lm(path, dtype)
+        return model if trainable else model.eval().requires_grad_(False)
 
     @contextlib.contextmanager
     def no_grad_sync(self, module: torch.nn.Module, skip: bool) -> Iterator[None]:
@@ -144,10 +160,12 @@ class _Distributed(Single):
 
 
 class DDP(_Distributed):
-    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
+    def wrap(self, module: torch.nn.Module, frozen: bool = False) -> torch.nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         module.to(self.device)
+        if frozen:
+            return module
         return DistributedDataParallel(module, device_ids=[self.device.index] if self.device.type == "cuda" else None)
 
     @contextlib.contextmanager
@@ -157,14 +175,51 @@ class DDP(_Distributed):
 
 
 class FSDP2(_Distributed):
-    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        from torch.distributed.fsdp import fully_shard
+    def __init__(self, device: torch.device, precision: str = "fp32"):
+        super().__init__(device)
+        self.precision = precision
+
+    def _shard(self, module: torch.nn.Module, frozen: bool = False) -> None:
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        # Trained weights in bf16 compute: gathered in bf16, gradients reduced in fp32 (the shards,
+        # AdamW's state and the update stay fp32). A frozen model keeps the dtype it was built in.
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+            if self.precision == "bf16" and not frozen else MixedPrecisionPolicy()
+        fully_shard(module, mp_policy=policy)
+
+    def wrap(self, module: torch.nn.Module, frozen: bool = False) -> torch.nn.Module:
+        from torch.distributed.fsdp import FSDPModule
 
         module.to(self.device)
         for layer in decoder_layers(module):
-            fully_shard(layer)
-        fully_shard(module)  # the rest (embeddings, final norm, output layer) as one unit
+            if not isinstance(layer, FSDPModule):  # load_model sharded them already
+                self._shard(layer, frozen)
+        # The rest (embeddings, final norm, output layer, a value head) as one unit, rooted at the
+        # module whose forward calls them (the scorer calls the decoder and the output layer itself).
+        self._shard(module, frozen)
         return module
+
+    def load_model(self, path: str, dtype: str = "float32", trainable: bool = True) -> torch.nn.Module:
+        """Built on the meta device, its decoder layers sharded, materialised empty on this rank's
+        device, then filled tensor by tensor from the safetensors files, each rank copying only
+        its rows of the layers' tensors; the root's (embeddings, final norm, output layer) come
+        whole until `wrap` shards them."""
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(path)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        if not trainable:
+            model.eval().requires_grad_(False)
+        for layer in decoder_layers(model):
+            self._shard(layer, frozen=not trainable)
+        model.to_empty(device=self.device)
+        for module in model.modules():  # buffers are not in the files (rotary frequencies): computed again
+            if next(module.buffers(recurse=False), None) is not None:
+                model._init_weights(module)
+        load_shards(model, path, self.rank, self.world)
+        return model
 
     @contextlib.contextmanager
     def no_grad_sync(self, module: torch.nn.Module, skip: bool) -> Iterator[None]:
@@ -189,6 +244,46 @@ def tied_names(module: torch.nn.Module) -> dict[str, str]:
     return aliases
 
 
+def load_shards(model: torch.nn.Module, path: str, rank: int, world: int) -> None:
+    """Fill `model`'s parameters from the safetensors files in `path`, one tensor at a time: of a
+    sharded one (a DTensor sharded on one dimension, as fully_shard makes them) this rank's rows,
+    of the others the whole tensor. A parameter the files do not hold (other than a tied output
+    layer, which is the embedding) fails, naming it."""
+    import json
+
+    from safetensors import safe_open
+    from torch.distributed.tensor import DTensor
+
+    index = Path(path) / "model.safetensors.index.json"
+    files = sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.exists() else \
+        ["model.safetensors"]
+    params = dict(model.named_parameters())  # a tied output layer appears once, as the embedding
+    loaded = set()
+    with torch.no_grad():
+        for file in files:
+            with safe_open(str(Path(path) / file), framework="pt", device="cpu") as f:
+                for name in f.keys():
+                    param = params.get(name)
+                    if param is None:
+                        continue  # a tied output layer saved anyway, or a buffer
+                    full = f.get_tensor(name)
+                    if isinstance(param, DTensor):
+                        [placement] = param.placements
+                        chunks = torch.chunk(full, world, dim=placement.dim)
+                        local = param.to_local()
+                        mine = chunks[rank] if rank < len(chunks) else full.narrow(placement.dim, 0, 0)
+                    else:
+                        local, mine = param, full
+                    if local.shape != mine.shape:
+                        raise RuntimeError(f"{path}: {name}'s shard on rank {rank} is {tuple(local.shape)}, the "
+                                           f"file's rows for it {tuple(mine.shape)}")
+                    local.copy_(mine)
+                    loaded.add(name)
+    missing = sorted(set(params) - loaded)
+    if missing:
+        raise RuntimeError(f"{path}: the safetensors files hold no {missing[:5]} ({len(missing)} missing)")
+
+
 def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
     """The repeated blocks of a Hugging Face decoder (`model.layers` in Qwen2 and Llama)."""
     found = [m for m in module.modules() if isinstance(m, torch.nn.ModuleList) and len(m) > 0]
@@ -200,10 +295,10 @@ def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
 KINDS = {"ddp": DDP, "fsdp2": FSDP2}
 
 
-def setup(parallel: str, device_name: str) -> Single:
+def setup(parallel: str, device_name: str, precision: str = "fp32") -> Single:
     """The process's place in the learner: `single` unless torchrun started it with WORLD_SIZE > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = resolve_device(device_name, int(os.environ.get("LOCAL_RANK", "0")))
     if world == 1:
         return Single(device)
-    return KINDS[parallel](device)
+    return FSDP2(device, precision) if parallel == "fsdp2" else DDP(device)

@@ -61,8 +61,16 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
+REFERENCE_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}  # the KL reference is kept in the compute's precision
+
+
 class Trainer:
-    def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, parallel: Single | None = None):
+    """`reference`: the frozen starting policy for the KL penalty (learner.kl_coef > 0), as the
+    parallel layer loaded it (`parallel.load_model(path, REFERENCE_DTYPE[precision], trainable=False)`:
+    sharded under FSDP2); unset, a copy of `model` in that dtype."""
+
+    def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, parallel: Single | None = None,
+                 reference: torch.nn.Module | None = None):
         self.cfg = cfg
         self.parallel = parallel or Single(resolve_device(cfg.device, 0))
         self.device = self.parallel.device
@@ -70,7 +78,10 @@ class Trainer:
         self.critic = cfg.algorithm in CRITIC_ALGORITHMS
         self.reference: PolicyScorer | None = None  # the frozen starting policy, for the KL penalty
         if cfg.kl_coef > 0:
-            self.reference = PolicyScorer(copy.deepcopy(model).eval().requires_grad_(False), cfg.vocab_chunk)
+            if reference is None:
+                reference = copy.deepcopy(model).to(getattr(torch, REFERENCE_DTYPE[cfg.precision]))
+            self.reference = self.parallel.wrap(PolicyScorer(reference.eval().requires_grad_(False), cfg.vocab_chunk),
+                                                frozen=True)
         self.scorer = self.parallel.wrap(PolicyScorer(model, cfg.vocab_chunk, value_head=self.critic).to(self.device))
         named = list(self.scorer.named_parameters())
         policy = [p for n, p in named if "value_head." not in n]

@@ -35,14 +35,14 @@ from broker.weights import WeightStore
 from common.config import Config, require_set
 from common.messages import decode_group
 from common.metrics import JsonlSink
-from common.models import load_causal_lm, save_policy
+from common.models import save_policy
 from common.weight_sync import Packed
 from learner.batch import Batch, collate
 from learner.bridge import BrokerBridge, Delivery
 from learner.broadcast import BroadcastSender
 from learner.checkpoint import LearnerState, RecentIds, latest_checkpoint, read_checkpoint, save_checkpoint
 from learner.distributed import Single, setup
-from learner.trainer import Trainer
+from learner.trainer import REFERENCE_DTYPE, Trainer
 
 log = logging.getLogger(__name__)
 
@@ -204,12 +204,15 @@ class Learner:
     def run(self) -> int:
         """Train to learner.steps (exit code 0) or until a signal (128 + its number)."""
         lcfg = self.cfg.learner
-        self.parallel = setup(lcfg.parallel, lcfg.device)
+        self.parallel = setup(lcfg.parallel, lcfg.device, lcfg.precision)
         torch.manual_seed(lcfg.seed)
         torch.set_num_threads(lcfg.threads)
         # fp32 master weights whatever model.dtype (the actors' inference dtype) says; learner.precision
         # sets the compute.
-        self.trainer = Trainer(load_causal_lm(self.cfg.model.path, "float32"), lcfg, self.parallel)
+        path = self.cfg.model.path
+        reference = self.parallel.load_model(path, REFERENCE_DTYPE[lcfg.precision], trainable=False) \
+            if lcfg.kl_coef > 0 else None
+        self.trainer = Trainer(self.parallel.load_model(path), lcfg, self.parallel, reference)
         try:
             return self._lead() if self.parallel.is_main else self._follow()
         finally:

@@ -11,11 +11,10 @@ import numpy as np
 import torch
 
 from common.config import LearnerConfig
-from common.models import load_causal_lm
 from learner.batch import collate
 from learner.checkpoint import LearnerState, read_checkpoint, save_checkpoint
 from learner.distributed import setup
-from learner.trainer import Trainer
+from learner.trainer import REFERENCE_DTYPE, Trainer
 from tests.groups import varied_group
 
 LEARNER = dict(max_tokens_per_microbatch=96, lr=3e-3, ppo_epochs=2, minibatches=2, entropy_coef=0.01)
@@ -34,11 +33,17 @@ def main() -> None:
     p.add_argument("--last", type=int, required=True)
     p.add_argument("--resume", help="a checkpoint file to start from")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--kl", type=float, default=0.0, help="learner.kl_coef: a frozen reference, loaded as the worker does")
+    p.add_argument("--precision", default="fp32")
     args = p.parse_args()
-    cfg = LearnerConfig(parallel=args.parallel, device="cpu", **LEARNER)
-    parallel = setup(cfg.parallel, cfg.device)
+    cfg = LearnerConfig(parallel=args.parallel, device="cpu", kl_coef=args.kl, precision=args.precision, **LEARNER)
+    parallel = setup(cfg.parallel, cfg.device, cfg.precision)
     torch.manual_seed(0)
-    trainer = Trainer(load_causal_lm(args.model, "float32"), cfg, parallel)
+    reference = parallel.load_model(args.model, REFERENCE_DTYPE[cfg.precision], trainable=False) if args.kl else None
+    trainer = Trainer(parallel.load_model(args.model), cfg, parallel, reference)  # FSDP2: built sharded
+    if reference is not None:
+        kinds = {(type(p).__name__, str(p.dtype), p.requires_grad) for p in trainer.reference.parameters()}
+        print(f"rank {parallel.rank} reference parameters {sorted(kinds)}", flush=True)
     if args.resume:
         _, model_state, optim_state = read_checkpoint(Path(args.resume)) if parallel.is_main else (None, {}, {})
         trainer.load_state(model_state, optim_state)

@@ -22,14 +22,19 @@ REPO = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-4
 
 
-def steps(model: str, out: Path, last: int, ranks: int = 1, parallel: str = "ddp", first: int = 1,
-          resume: Path | None = None) -> dict[str, torch.Tensor]:
+def run_steps(model: str, out: Path, last: int, ranks: int = 1, parallel: str = "ddp", first: int = 1,
+              resume: Path | None = None, extra: tuple[str, ...] = ()) -> str:
     cmd = [sys.executable, "-m", *learner_launcher(ranks), "tests.integration.distributed_steps", "--model", model,
-           "--parallel", parallel, "--first", str(first), "--last", str(last), "--out", str(out)]
+           "--parallel", parallel, "--first", str(first), "--last", str(last), "--out", str(out), *extra]
     cmd += ["--resume", str(resume)] if resume else []
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"step {last} " in done.stdout
+    return done.stdout
+
+
+def steps(model: str, out: Path, last: int, **kw) -> dict[str, torch.Tensor]:
+    run_steps(model, out, last, **kw)
     return read_checkpoint(latest_checkpoint(out))[1]
 
 
@@ -62,3 +67,14 @@ def test_ddp_and_fsdp2_match_one_rank_and_resume_across_rank_counts(tiny_model, 
     }
     for name, state in resumed.items():
         assert max_diff(one_4, state) < TOLERANCE, name
+
+
+def test_fsdp2_loads_sharded_and_keeps_a_sharded_bf16_reference(tiny_model, tmp_path):
+    """Issue 25, defect 2: under FSDP2 every rank builds the model on the meta device and reads only
+    its rows of each decoder layer (the trained model matched one rank above, so the rows are the
+    right ones); the KL reference is sharded too, frozen, in the compute's precision (bf16), and a
+    bf16 step with the KL penalty runs through FSDP2's mixed-precision policy."""
+    out = run_steps(tiny_model, tmp_path / "kl", last=1, ranks=2, parallel="fsdp2",
+                    extra=("--kl", "0.05", "--precision", "bf16"))
+    for rank in (0, 1):
+        assert f"rank {rank} reference parameters [('DTensor', 'torch.bfloat16', False)]" in out, out
