@@ -132,7 +132,7 @@ class _Distributed(Single):
         self.is_main = self.rank == 0
         # Control messages (bytes) on the CPU, whatever the device.
         self.control = dist.new_group(backend="gloo") if device.type != "cpu" else dist.group.WORLD
-        log.info("rank %d of %d on %s (%s)", self.rank, self.world, device, backend)
+        log.info("rank %d of %d on %s (%s)", self.rank, self.world, device, self.backends[device.type])
 
     def checked(self, t: torch.Tensor) -> torch.Tensor:
         """`t`, refused unless the group has a backend for its device (what NCCL enforces with
