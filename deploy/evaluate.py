@@ -135,6 +135,7 @@ class ModelPlayer:
         from actors.templates import make_template
         from envs.client import EnvClient
         from envs.specs import spec_of
+        from envs.tasks import task_data
 
         cfg = self.cfg
         self._stack = contextlib.AsyncExitStack()
@@ -146,7 +147,7 @@ class ModelPlayer:
         url = await self._stack.enter_async_context(env_server(self.env_name, cfg, None))
         client = EnvClient(url, session, cfg.env.timeout_s, spec_of(cfg.env, self.env_name))
         self.setup = EpisodeSetup(client, self.engine.tokenizer, cfg.actor, make_template(cfg.actor.action_template),
-                                  self.env_name)
+                                  self.env_name, task_data(cfg.env) if self.env_name == cfg.env.name else {})
         return self
 
     async def __aexit__(self, *exc) -> None:

@@ -122,8 +122,9 @@ def backends_for(device: torch.device) -> dict[str, str]:
 
 
 class _Distributed(Single):
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, precision: str = "fp32"):
         super().__init__(device)
+        self.precision = precision  # learner.precision: FSDP2's mixed-precision policy follows it
         self.backends = backends_for(device)
         backend = ",".join(f"{kind}:{name}" for kind, name in self.backends.items())
         dist.init_process_group(backend, device_id=device if device.type == "cuda" else None,
@@ -175,10 +176,6 @@ class DDP(_Distributed):
 
 
 class FSDP2(_Distributed):
-    def __init__(self, device: torch.device, precision: str = "fp32"):
-        super().__init__(device)
-        self.precision = precision
-
     def _shard(self, module: torch.nn.Module, frozen: bool = False) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -301,4 +298,4 @@ def setup(parallel: str, device_name: str, precision: str = "fp32") -> Single:
     device = resolve_device(device_name, int(os.environ.get("LOCAL_RANK", "0")))
     if world == 1:
         return Single(device)
-    return FSDP2(device, precision) if parallel == "fsdp2" else DDP(device)
+    return KINDS[parallel](device, precision)

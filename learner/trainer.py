@@ -82,7 +82,7 @@ class Trainer:
                 reference = copy.deepcopy(model).to(getattr(torch, REFERENCE_DTYPE[cfg.precision]))
             self.reference = self.parallel.wrap(PolicyScorer(reference.eval().requires_grad_(False), cfg.vocab_chunk),
                                                 frozen=True)
-        self.scorer = self.parallel.wrap(PolicyScorer(model, cfg.vocab_chunk, value_head=self.critic).to(self.device))
+        self.scorer = self.parallel.wrap(PolicyScorer(model, cfg.vocab_chunk, value_head=self.critic))  # placed by wrap
         named = list(self.scorer.named_parameters())
         policy = [p for n, p in named if "value_head." not in n]
         head = [p for n, p in named if "value_head." in n]
