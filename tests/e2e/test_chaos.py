@@ -29,6 +29,7 @@ from broker.embedded import EmbeddedRedis, find_redis_server
 from broker.keys import Keys
 from common.messages import decode_group
 from common.metrics import read_jsonl
+from tests.budget import patience
 from tests.e2e.test_omrl_run import processes_mentioning
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.redis]
@@ -135,7 +136,7 @@ def read_books(redis_dir: Path, run: str) -> dict:
         return asyncio.run(read())
 
 
-@pytest.mark.timeout(1500)
+@pytest.mark.timeout(patience(180))
 def test_every_process_can_die_and_the_run_finishes_with_every_group_accounted_for(tmp_path):
     seed = random.randrange(10_000)
     print(f"chaos seed {seed}")

@@ -18,6 +18,7 @@ import pytest
 
 from common.metrics import read_jsonl
 from deploy.demo import LEARNER
+from tests.budget import patience
 
 pytest.importorskip("minigrid", reason="the babyai extra is not installed (pip install openmanus-rl[babyai])")
 pytestmark = [pytest.mark.babyai, pytest.mark.vllm, pytest.mark.slow]
@@ -28,7 +29,7 @@ def test_a_small_demo_fine_tunes_above_the_random_policy_then_runs_rl(tmp_path):
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "demo", "babyai", "--out", str(out), "--levels", "1",
                            "--rl-levels", "1", "--train-seeds", "300", "--episodes", "300", "--eval-episodes", "100",
                            "--sft-epochs", "4", "--sft-batch-size", "16", "--rl-steps", "3"],
-                          capture_output=True, text=True, timeout=1500)
+                          capture_output=True, text=True, timeout=patience(200))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "| 1 GoToRedBallGrey (RL) | 100 |" in done.stdout and "Wall time" in done.stdout
     stages = json.loads((out / "stages.json").read_text())

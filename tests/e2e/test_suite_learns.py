@@ -18,6 +18,7 @@ import time
 import pytest
 
 from common.metrics import read_jsonl
+from tests.budget import patience
 from tests.e2e.learning import fifths
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.redis]
@@ -25,7 +26,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.redis]
 BLIND_SUCCESS = 0.37  # the best observation-blind sequence of 8 moves, over tasks 0-899
 
 
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(patience(270))
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
 def test_grid_nav_is_learned_from_its_observations(tmp_path, algorithm):
     """grpo: the default; ppo: a critic (value head, GAE on fresh samples, V-trace on stale)."""
@@ -34,7 +35,7 @@ def test_grid_nav_is_learned_from_its_observations(tmp_path, algorithm):
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir),
                            "--set", "env.name=grid_nav", "--set", "actor.max_tokens=1", "--set", "actor.max_turns=8",
                            "--set", f"learner.algorithm={algorithm}"],
-                          capture_output=True, text=True, timeout=850)
+                          capture_output=True, text=True, timeout=patience(260))
     print(done.stdout[-3000:])
     print(f"omrl run took {time.monotonic() - started:.0f}s")
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]

@@ -15,6 +15,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from common.metrics import read_jsonl
+from tests.budget import patience
 
 PLUGIN = '''
 """An extension of OpenManus-RL that lives in its own package."""
@@ -71,7 +72,7 @@ def write_tasks(out):
 @pytest.mark.slow
 @pytest.mark.vllm
 @pytest.mark.redis
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(patience(65))
 def test_a_package_of_our_own_trains_end_to_end(tmp_path):
     package = tmp_path / "site" / "my_omrl_ext"
     package.mkdir(parents=True)
@@ -85,7 +86,7 @@ def test_a_package_of_our_own_trains_end_to_end(tmp_path):
          "--set", 'actor.action_template="first_char"', "--set", "actor.rewards={env = 1.0, answer_seen = 1.0}",
          "--set", "actor.num_actors=1", "--set", "learner.groups_per_step=4", "--set", "actor.group_size=2",
          "--set", "actor.concurrent_groups=2"],
-        capture_output=True, text=True, timeout=560, env=environ)
+        capture_output=True, text=True, timeout=patience(60), env=environ)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]

@@ -14,6 +14,7 @@ import sys
 import pytest
 
 from common.metrics import read_jsonl
+from tests.budget import patience
 
 ENVS = [
     pytest.param("textcraft", "textcraft", marks=pytest.mark.textcraft),
@@ -23,7 +24,7 @@ ENVS = [
 
 @pytest.mark.vllm
 @pytest.mark.redis
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(patience(100))
 @pytest.mark.parametrize("env,package", ENVS)
 def test_three_steps_of_valid_groups(env, package, tmp_path):
     pytest.importorskip(package, reason=f"the {env} extra is not installed")
@@ -35,7 +36,7 @@ def test_three_steps_of_valid_groups(env, package, tmp_path):
          "--set", f"env.name={env}", "--set", "actor.num_actors=1", "--set", "actor.max_seq_len=2048",
          "--set", "actor.max_tokens=16", "--set", "actor.max_turns=3", "--set", "learner.groups_per_step=4",
          "--set", "actor.group_size=2", "--set", "actor.concurrent_groups=2"],  # 4 envs open: 4 JVMs for sciworld
-        capture_output=True, text=True, timeout=560)
+        capture_output=True, text=True, timeout=patience(95))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
