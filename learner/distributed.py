@@ -263,14 +263,11 @@ def load_shards(model: torch.nn.Module, path: str, rank: int, world: int) -> Non
                     param = params.get(name)
                     if param is None:
                         continue  # a tied output layer saved anyway, or a buffer
-                    full = f.get_tensor(name)
                     if isinstance(param, DTensor):
                         [placement] = param.placements
-                        chunks = torch.chunk(full, world, dim=placement.dim)
-                        local = param.to_local()
-                        mine = chunks[rank] if rank < len(chunks) else full.narrow(placement.dim, 0, 0)
+                        local, mine = param.to_local(), shard_of(f, name, placement.dim, rank, world)
                     else:
-                        local, mine = param, full
+                        local, mine = param, f.get_tensor(name)
                     if local.shape != mine.shape:
                         raise RuntimeError(f"{path}: {name}'s shard on rank {rank} is {tuple(local.shape)}, the "
                                            f"file's rows for it {tuple(mine.shape)}")
@@ -279,6 +276,22 @@ def load_shards(model: torch.nn.Module, path: str, rank: int, world: int) -> Non
     missing = sorted(set(params) - loaded)
     if missing:
         raise RuntimeError(f"{path}: the safetensors files hold no {missing[:5]} ({len(missing)} missing)")
+
+
+def shard_of(f, name: str, dim: int, rank: int, world: int) -> torch.Tensor:
+    """This rank's piece of tensor `name` in an open safetensors file, cut along `dim` as
+    torch.chunk cuts it (FSDP2's Shard: ceil(n / world) rows a rank, the last ranks short or
+    empty). Along dim 0 only those rows are read from the file."""
+    if dim != 0:
+        full = f.get_tensor(name)
+        chunks = torch.chunk(full, world, dim=dim)
+        return chunks[rank] if rank < len(chunks) else full.narrow(dim, 0, 0)
+    rows = f.get_slice(name)
+    shape = rows.get_shape()
+    size = -(-shape[0] // world)
+    start = min(shape[0], rank * size)
+    stop = min(shape[0], start + size)
+    return rows[start:stop] if stop > start else torch.empty((0, *shape[1:]))
 
 
 def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
