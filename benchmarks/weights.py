@@ -78,6 +78,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -611,6 +612,10 @@ def run(quick: bool, device: str = "cpu") -> dict:
     with tempfile.TemporaryDirectory(prefix="omrl-bench-weights-") as tmp, \
             EmbeddedRedis(binary=find_redis_server("bundled"), extra_args=REDIS_ARGS) as server, \
             asyncio.Runner() as runner:
+        memory = measure_publish_memory(build_model(tmp, *(QUICK_MODELS if quick else MODELS)[-1]), repeats)
+        print(f"weights: MB added while packing a version, gathered {memory['runs']['gathered'][0]['extra_mb']:.0f}, "
+              f"whole state first {memory['runs']['whole'][0]['extra_mb']:.0f} "
+              f"(payload {memory['runs']['gathered'][0]['payload_mb']:.0f})", flush=True)
         updates = measure_update_modes(build_model(tmp, *QUICK_MODELS[0]), quick, device, tmp)
         medians = {mode: spread([r["update_s"] for r in updates["runs"][mode]])["median"] for mode in UPDATE_MODES}
         print(f"weights: s held back per update, interrupt {medians['interrupt']:.3f}, drain {medians['drain']:.3f} "
@@ -625,12 +630,14 @@ def run(quick: bool, device: str = "cpu") -> dict:
                       f"({time.monotonic() - started:.0f} s)", flush=True)
             for f in Path(model.path).glob("*.safetensors"):
                 f.unlink()  # the next model's engines need the page cache more
-    return {"points": points, "updates": updates, "redis_args": REDIS_ARGS, "rows": _rows(points, updates)}
+    return {"points": points, "updates": updates, "publish_memory": memory, "redis_args": REDIS_ARGS,
+            "rows": _rows(points, updates, memory)}
 
 
-def _rows(points: list[dict], updates: dict) -> list[dict]:
+def _rows(points: list[dict], updates: dict, memory: dict) -> list[dict]:
     """Per model and transport: MB/s and seconds publish -> applied against SET + GET; then the
-    update modes' rows (interrupt against drain). Each row names its transport or update figure."""
+    update modes' rows (interrupt against drain), and the learner's memory while packing a
+    version. Each row names its transport or figure."""
     rows = []
     for p in points:
         where = f"{p['model']} params ({p['bytes'] / 1e6:.1f} MB), {p['transport']}"
@@ -649,6 +656,11 @@ def _rows(points: list[dict], updates: dict) -> list[dict]:
         rows.append({**row(f"{what}, interrupt vs drain ({workload}; {better} is better)",
                            [r[figure] for r in runs["interrupt"]], [r[figure] for r in runs["drain"]]),
                      "figure": figure})
+    gathered, whole = memory["runs"]["gathered"], memory["runs"]["whole"]
+    rows.append({**row(f"{memory['model']} params: MB the learner adds while packing a version in bf16 "
+                       f"({gathered[0]['payload_mb']:.0f} MB), gathered a tensor at a time vs the whole fp32 state "
+                       "first (lower is better)", [r["extra_mb"] for r in gathered], [r["extra_mb"] for r in whole]),
+                 "figure": "publish_mb"})
     return rows
 
 
@@ -708,11 +720,56 @@ def _errorbar(ax, x: list[float], stats: list[dict], style: str, label: str) -> 
     ax.errorbar(x, med, yerr=err, fmt=style, capsize=3, label=label)
 
 
+def _publish_memory(args: argparse.Namespace) -> None:
+    """One packing of a version for the broadcast transport in this process, in bf16 with the
+    default bucket size: the peak resident memory it added, as JSON on stdout. `gathered`: the
+    learner's path (`Trainer.weights_packed`: a tensor at a time, packed as gathered); `whole`:
+    the path before it, the whole fp32 state gathered first (`full_state`), cast, then packed."""
+    import torch
+
+    from benchmarks.learner import PeakRss
+    from common.config import LearnerConfig, WeightsConfig
+    from common.models import load_causal_lm
+    from common.weight_sync import pack
+    from learner.trainer import PREFIX, Trainer
+
+    bucket = WeightsConfig().bucket_mb << 20
+    trainer = Trainer(load_causal_lm(args.model), LearnerConfig(device="cpu"))
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.add_(0.0)  # resident, as after training steps (the loaded file is mapped, not yet read)
+    with PeakRss() as peak:
+        if args.publish_memory == "gathered":
+            packed = trainer.weights_packed(1, torch.bfloat16, bucket, "cpu")
+        else:
+            state, _ = trainer.parallel.full_state(trainer.scorer)
+            tied = PREFIX + "lm_head.weight" if trainer.model.config.tie_word_embeddings else None
+            policy = {k[len(PREFIX):]: v.to(torch.bfloat16) for k, v in state.items() if k.startswith(PREFIX) and k != tied}
+            del state
+            packed = pack(1, policy.items(), bucket, "cpu")
+    print(json.dumps({"extra_mb": peak.increase / 1e6, "payload_mb": packed.nbytes / 1e6}))
+
+
+def measure_publish_memory(model: Model, repeats: int) -> dict:
+    """The learner's extra host memory while packing a version, gathered against whole-state-first,
+    each packing in a fresh process (a process's freed heap would hide the second one's peak)."""
+    def once(kind: str) -> dict:
+        done = subprocess.run([sys.executable, "-m", "benchmarks.weights", "--publish-memory", kind, "--model",
+                               model.path], capture_output=True, text=True, timeout=600)
+        if done.returncode != 0:
+            raise RuntimeError(f"publish memory ({kind}) failed:\n{done.stderr[-2000:]}")
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    runs = alternate({"gathered": lambda: once("gathered"), "whole": lambda: once("whole")}, repeats)
+    return {"model": model.label, "runs": runs}
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description="weights benchmark; --receiver, --update-modes: its processes "
                                                  "(internal)")
     parser.add_argument("--receiver", action="store_true", help="run one receiver for the driver in run()")
     parser.add_argument("--update-modes", action="store_true", help="run the update-mode comparison")
+    parser.add_argument("--publish-memory", choices=("gathered", "whole"), help="measure one packing (internal)")
     parser.add_argument("--url", help="Redis URL")
     parser.add_argument("--run", help="run name: the keys' prefix")
     parser.add_argument("--model", help="model directory")
@@ -724,7 +781,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     from common.logs import setup_logging
 
-    if args.receiver:
+    if args.publish_memory:
+        _publish_memory(args)
+    elif args.receiver:
         setup_logging(f"weights-receiver{args.index}", "INFO")
         asyncio.run(_receiver(args))
     elif args.update_modes:

@@ -20,7 +20,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import math
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import msgpack
@@ -61,22 +61,32 @@ class Packed:
     nbytes: int
 
 
-def pack(version: int, state: dict[str, Any], bucket_bytes: int, device) -> Packed:
+def pack(version: int, tensors: Iterable[tuple[str, Any]], bucket_bytes: int, device) -> Packed:
+    """The (name, tensor) pairs in buckets of at most `bucket_bytes` (a larger tensor gets one of
+    its own) on `device`. The pairs may come one at a time (a generator): a bucket is filled
+    once it is full, so what packing holds besides the buckets is one bucket's tensors."""
     import torch
 
-    entries, sizes, offset = [], [], 0
-    for name, tensor in state.items():
+    entries, buckets, pending, offset = [], [], [], 0
+
+    def seal() -> None:
+        bucket = torch.empty(offset, dtype=torch.uint8, device=device)
+        for tensor, start in pending:
+            flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+            bucket[start:start + flat.numel()].copy_(flat)
+        buckets.append(bucket)
+        pending.clear()
+
+    for name, tensor in tensors:
         nbytes = tensor.numel() * tensor.element_size()
         if offset and offset + nbytes > bucket_bytes:
-            sizes.append(offset)
+            seal()
             offset = 0
-        entries.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), len(sizes), offset])
+        entries.append([name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), len(buckets), offset])
+        pending.append((tensor, offset))
         offset += -(-nbytes // ALIGN) * ALIGN
-    sizes.append(offset)
-    buckets = [torch.empty(size, dtype=torch.uint8, device=device) for size in sizes]
-    for (_name, _dtype, _shape, bucket, off), tensor in zip(entries, state.values()):
-        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
-        buckets[bucket][off:off + flat.numel()].copy_(flat)
+    seal()
+    sizes = [b.numel() for b in buckets]
     layout = msgpack.packb({"tensors": entries, "buckets": sizes})
     return Packed(version, layout, buckets, sum(sizes))
 

@@ -74,6 +74,34 @@ class Single:
         """Around a micro-batch's backward: skip the gradient exchange (all but the last)."""
         yield
 
+    def gathered(self, module: torch.nn.Module, dtype: torch.dtype | None = None
+                 ) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """The module's state (parameters and persistent buffers) whole, one tensor at a time, as
+        new CPU tensors in `dtype` (their own when None) on rank 0 and None elsewhere; named as
+        `full_state` names them, a tied weight once (its first name). A sharded tensor is
+        gathered, cast on the device and copied out before the next one: what publishing adds
+        to the learner's memory is the copy it keeps, plus one tensor whole in its training
+        dtype, not a whole fp32 copy of the model first (`full_state`). Every rank must run
+        it to its end."""
+        from torch.distributed.tensor import DTensor
+
+        aliases = tied_names(module)
+        for name, value in module.state_dict(keep_vars=True).items():
+            name = name.removeprefix("module.")
+            if name in aliases:
+                continue
+            sharded = isinstance(value, DTensor)
+            whole = value.full_tensor() if sharded else value.detach()  # a collective: every rank
+            if not self.is_main:
+                yield name, None
+                continue
+            with torch.no_grad():
+                out = whole.to(dtype or whole.dtype).to("cpu").contiguous()
+                if not sharded and out.data_ptr() == whole.data_ptr():  # to() changed nothing: copy it,
+                    out = out.clone()  # training goes on
+            yield name, out
+            del whole, out
+
     def sum(self, values: list[float]) -> list[float]:
         """Each value summed over the ranks (float64)."""
         return list(values)
@@ -212,6 +240,7 @@ class FSDP2(_Distributed):
         for layer in decoder_layers(model):
             self._shard(layer, frozen=not trainable)
         model.to_empty(device=self.device)
+        model.tie_weights()  # to_empty gave the output layer a tensor of its own: tie it to the embedding again
         for module in model.modules():  # buffers are not in the files (rotary frequencies): computed again
             if next(module.buffers(recurse=False), None) is not None:
                 model._init_weights(module)

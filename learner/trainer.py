@@ -13,6 +13,7 @@ log-probs when the loss has a KL penalty (learner.kl_coef).
 
 from __future__ import annotations
 
+import collections
 import copy
 import logging
 from collections.abc import Iterable, Iterator
@@ -272,25 +273,32 @@ class Trainer:
         """The inverse of full_state (the states are read on rank 0; every rank must call it)."""
         self.parallel.load_full_state(self.scorer, self.optimizer, model_state, optim_state)
 
-    def hf_state(self) -> dict[str, torch.Tensor]:
-        """The policy's weights on CPU as the Hugging Face checkpoint names them, on rank 0 (empty
-        elsewhere; every rank must call it). A tied output layer is left out, as save_pretrained does."""
-        state, _ = self.parallel.full_state(self.scorer)
-        tied = self.model.config.tie_word_embeddings
-        return {k[len(PREFIX):]: v for k, v in state.items()
-                if k.startswith(PREFIX) and not (tied and k == PREFIX + "lm_head.weight")}
+    def _policy(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor | None]]:
+        """The policy's tensors as the Hugging Face checkpoint names them, one at a time
+        (`gathered`: on rank 0, None elsewhere); a tied output layer left out, as save_pretrained
+        does. Every rank must run it to its end."""
+        return ((name[len(PREFIX):], tensor) for name, tensor in self.parallel.gathered(self.scorer, dtype)
+                if name.startswith(PREFIX))
+
+    def hf_state(self, dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+        """The policy's weights on CPU in `dtype` (the training dtype when None), on rank 0 (empty
+        elsewhere; every rank must call it)."""
+        return {name: tensor for name, tensor in self._policy(dtype) if tensor is not None}
 
     def weights_blob(self, dtype: torch.dtype = torch.float32) -> bytes:
         """The weights as safetensors bytes in the actors' `dtype` (rank 0; every rank must call it)."""
-        state = self.hf_state()
-        return save_safetensors({k: v.to(dtype).contiguous() for k, v in state.items()}) if self.parallel.is_main else b""
+        state = self.hf_state(dtype)
+        return save_safetensors(state) if self.parallel.is_main else b""
 
     def weights_packed(self, version: int, dtype: torch.dtype, bucket_bytes: int, device) -> Packed | None:
         """The weights in buckets for the broadcast transport, in the actors' `dtype` on `device`
-        (rank 0; every rank must call it; the buckets are copies, so training may go on)."""
-        state = self.hf_state()
-        return pack(version, {k: v.to(dtype) for k, v in state.items()}, bucket_bytes, device) \
-            if self.parallel.is_main else None
+        (rank 0; every rank must call it; the buckets are copies, so training may go on). Packed as
+        they are gathered: the learner holds the buckets and one bucket's tensors besides."""
+        tensors = self._policy(dtype)
+        if not self.parallel.is_main:
+            collections.deque(tensors, maxlen=0)  # the gathers are collectives
+            return None
+        return pack(version, tensors, bucket_bytes, device)
 
 
 def learn(trainer: Trainer, batches: Iterable[Batch]) -> Iterator[dict[str, float]]:

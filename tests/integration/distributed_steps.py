@@ -14,7 +14,7 @@ from common.config import LearnerConfig
 from learner.batch import collate
 from learner.checkpoint import LearnerState, read_checkpoint, save_checkpoint
 from learner.distributed import setup
-from learner.trainer import REFERENCE_DTYPE, Trainer
+from learner.trainer import PREFIX, REFERENCE_DTYPE, Trainer
 from tests.groups import varied_group
 
 LEARNER = dict(max_tokens_per_microbatch=96, lr=3e-3, ppo_epochs=2, minibatches=2, entropy_coef=0.01)
@@ -54,7 +54,14 @@ def main() -> None:
             print(f"step {step} microbatches {metrics['learner/microbatches']:.0f} clipped "
                   f"{metrics['learner/frac_clipped']:.3f} loss {metrics['learner/loss/policy']:.5f}", flush=True)
     model_state, optim_state = trainer.full_state()
+    published = trainer.hf_state(torch.bfloat16)  # gathered a tensor at a time, as publishing does
     if parallel.is_main:
+        tied = trainer.model.config.tie_word_embeddings  # a tied output layer is published once
+        expected = {k.removeprefix(PREFIX): v for k, v in model_state.items()
+                    if k.startswith(PREFIX) and not (tied and k == PREFIX + "lm_head.weight")}
+        assert published.keys() == expected.keys(), (published.keys() ^ expected.keys())
+        assert all(torch.equal(published[k], v.to(torch.bfloat16)) for k, v in expected.items())
+        print(f"published {len(published)} tensors, equal to the full state's", flush=True)
         save_checkpoint(args.out, LearnerState(step=args.last, version=args.last), model_state, optim_state, keep=1)
     # Every rank leaves together: a rank tearing its gloo pairs down while rank 0 still writes aborted
     # once at exit ("terminate called without an active exception", exit -6) after both steps had run.

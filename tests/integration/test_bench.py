@@ -50,7 +50,8 @@ def check_weights(result):
         finite_positive(row)
     assert {(r["transport"], r["figure"]) for r in rows if "transport" in r} == {
         (t, f) for t in ("blob", "dir", "broadcast") for f in ("MB/s", "s")}
-    assert sorted(r["figure"] for r in rows if "transport" not in r) == ["blocked_s", "tokens_per_s", "update_s"]
+    assert sorted(r["figure"] for r in rows if "transport" not in r) == ["blocked_s", "publish_mb", "tokens_per_s",
+                                                                         "update_s"]
     points = {p["transport"]: p for p in result["points"]}
     assert set(points) == {"blob", "dir", "broadcast"}
     for p in points.values():

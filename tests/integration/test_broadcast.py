@@ -45,7 +45,7 @@ class Learner:
         self.url, self.run = url, run
 
     def publish(self, version: int, state: dict) -> None:
-        record = self.sender.publish(pack(version, state, 4 << 20, "cpu"), step=version)
+        record = self.sender.publish(pack(version, state.items(), 4 << 20, "cpu"), step=version)
 
         async def announce():
             client = connect(self.url)
