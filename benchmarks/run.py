@@ -19,7 +19,7 @@ from pathlib import Path
 
 BENCHMARKS = {"broker": "benchmarks.broker", "pipeline": "benchmarks.pipeline", "weights": "benchmarks.weights",
               "engine": "benchmarks.engine", "learner": "benchmarks.learner", "memory": "benchmarks.memory",
-              "env": "benchmarks.env", "staleness": "benchmarks.staleness"}
+              "shards": "benchmarks.shards", "env": "benchmarks.env", "staleness": "benchmarks.staleness"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,235 @@
+"""`omrl bench shards`: each learner rank's peak host memory with FSDP2 on 2 gloo ranks,
+against one full fp32 copy of what training holds (issue 25: at most 0.6 of it per rank
+with 2 ranks).
+
+Two ranks on the CPU are started by the torchrun command `omrl run` starts the learner with
+(`deploy.supervisor.learner_launcher`), each running this module's `rank_main`: the learner's
+own path, as `learner/worker.py` runs it: `learner.distributed.setup` (process group),
+`FSDP2.load_model` (built on the meta device, decoder layers sharded, each rank reading its
+rows from the safetensors files: `load_shards`), the KL reference only where the learner
+config loads one (learner.kl_coef > 0; its default, 0, loads none), `Trainer` (which wraps
+with `fully_shard` and builds AdamW), then two `Trainer.train_step`s on one rollout group of
+8 sequences of 64-128 tokens, half of each generated. The first step allocates AdamW's
+moments in its optimizer step; the second holds them from its start, as every later step
+does. Learner config: the defaults, with learner.parallel = "fsdp2" and learner.device =
+"cpu" (fp32, 1 torch thread per rank).
+
+Each rank samples its own resident set (`PeakRss`: /proc/self/statm every 2 ms) over each
+phase, and reads the kernel's high-water mark (VmHWM) as a check; it writes its figures, and
+this process collects them. Rows, per rank: the peak RSS at start (process group, sharded
+load, wrap, AdamW) and during the first and the second step, all absolute (the Python and
+torch runtime included), against 16 bytes x the parameter count: fp32 parameters, gradients
+and AdamW's two moments, one full copy. system = the measured bytes, baseline = the full
+copy's bytes, so the ratio IS the fraction of a full copy (lower is better; 0.5 is a perfect
+2-way shard with nothing else resident).
+
+Full mode: a model in Qwen2.5-0.5B's shape (hidden 896, 24 layers, 14 heads, 2 KV heads,
+MLP 4864, vocabulary 151,936, tied embeddings: 494M parameters), built here with random
+weights and saved with save_pretrained; nothing is downloaded. `--quick`: hidden 64, 2
+layers, vocabulary 4096, where the runtime dwarfs the model (ratios far above 1). GPU memory
+is not measured: the ranks run on the CPU whatever `--device` says.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from benchmarks.common import pyplot, spread
+from benchmarks.learner import G, PeakRss, Shape, make_groups
+
+RANKS = 2
+BYTES_PER_PARAM = 16  # fp32 parameter + gradient + AdamW's exp_avg and exp_avg_sq
+GOAL = 0.6  # issue 25: a rank's peak over one full copy, at 2 ranks
+# Qwen2.5-0.5B's config.json, less what does not change memory (rope_theta, max_position_embeddings: buffers only)
+MODEL = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14, "num_key_value_heads": 2,
+         "intermediate_size": 4864, "vocab_size": 151_936, "tie_word_embeddings": True}
+QUICK = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
+         "intermediate_size": 256, "vocab_size": 4096, "tie_word_embeddings": True}
+BATCH = Shape(groups=1, max_len=128, batches=1, min_len=64)  # 8 sequences of 64-128 tokens
+PHASES = ("setup", "load", "trainer", "step1", "step2")  # "start" is the first three
+PEAKS = {"start_peak": "at start (process group, sharded load, wrap, AdamW)",
+         "step1_peak": "during the first train_step (AdamW's moments allocated in it)",
+         "step2_peak": "during the second train_step (AdamW's moments held throughout)"}
+REPO = Path(__file__).resolve().parents[1]
+
+
+def build_model(path: str, spec: dict) -> int:
+    """A Qwen2 causal LM of `spec` with random weights, saved to `path` as safetensors; its
+    parameter count (the tied output layer once)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(Qwen2Config(**spec, torch_dtype="float32"))
+    model.save_pretrained(path, safe_serialization=True)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _status() -> dict[str, int]:
+    """/proc/self/status's VmHWM, RssAnon and RssFile, in bytes."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmHWM", "RssAnon", "RssFile"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+def _reset_hwm() -> bool:
+    """Reset the kernel's peak-RSS mark (VmHWM) to the current RSS (Linux 4.0+)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class Phase(PeakRss):
+    """PeakRss over one named phase, its figures put in `figures[name]`: the RSS on entry, the
+    sampled peak, the anonymous and file-backed RSS on exit, the kernel's high-water mark since
+    its last reset, and the seconds."""
+
+    def __init__(self, figures: dict[str, dict], name: str):
+        self.figures, self.name = figures, name
+
+    def __enter__(self) -> Phase:
+        self.t0 = time.perf_counter()
+        super().__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        super().__exit__(*exc)
+        status = _status()
+        self.figures[self.name] = {"before": self.before, "peak": self.peak, "hwm": status["VmHWM"],
+                                   "rss_anon": status["RssAnon"], "rss_file": status["RssFile"],
+                                   "seconds": time.perf_counter() - self.t0}
+        print(f"rank {os.environ.get('RANK')}: {self.name}: peak {self.peak / 2**30:.2f} GiB (from "
+              f"{self.before / 2**30:.2f}), VmHWM {status['VmHWM'] / 2**30:.2f} GiB, "
+              f"{self.figures[self.name]['seconds']:.1f}s", flush=True)
+
+
+def rank_main() -> None:
+    """One rank, under torchrun: the learner's start and one step, its figures to OUT/rank{r}.json."""
+    p = argparse.ArgumentParser()
+    p.add_argument("--model", required=True)
+    p.add_argument("--out", required=True)
+    args = p.parse_args()
+
+    import torch
+
+    from common.config import LearnerConfig
+    from learner.batch import collate
+    from learner.distributed import setup
+    from learner.trainer import REFERENCE_DTYPE, Trainer
+
+    cfg = LearnerConfig(parallel="fsdp2", device="cpu")
+    phases: dict[str, dict] = {}
+    # As Learner.run: process group, seed, threads, the reference (if kl_coef > 0), the model, the Trainer.
+    with Phase(phases, "setup"):
+        parallel = setup(cfg.parallel, cfg.device, cfg.precision)
+        torch.manual_seed(cfg.seed)
+        torch.set_num_threads(cfg.threads)
+    with Phase(phases, "load"):
+        reference = parallel.load_model(args.model, REFERENCE_DTYPE[cfg.precision], trainable=False) \
+            if cfg.kl_coef > 0 else None
+        model = parallel.load_model(args.model)
+    with Phase(phases, "trainer"):
+        trainer = Trainer(model, cfg, parallel, reference)
+    start_hwm = _status()["VmHWM"]  # since the process began: the start's exact peak
+    vocab = model.config.vocab_size
+    batch = collate(make_groups(np.random.default_rng(0), BATCH, vocab))
+    batch.behav_logprobs = -float(np.log(vocab)) * batch.generated_mask  # near a random model's own
+    figures = {"rank": parallel.rank, "world": parallel.world, "phases": phases,
+               "start_peak": max(phases[n]["peak"] for n in PHASES[:3]), "start_hwm": start_hwm}
+    for name in PHASES[3:]:
+        reset = _reset_hwm()  # so VmHWM is this step's exact peak, a check on the sampled one
+        with Phase(phases, name):
+            metrics = trainer.train_step(batch)
+        figures.update({f"{name}_peak": phases[name]["peak"],
+                        f"{name}_hwm": _status()["VmHWM"] if reset else None})
+    figures.update({
+               "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               "reference": reference is not None, "threads": torch.get_num_threads(),
+               "sequences": int(batch.tokens.shape[0]), "padded_T": int(batch.tokens.shape[1]),
+               "tokens": int(batch.attention_mask.sum()), "loss": metrics["learner/loss/policy"],
+               "microbatches": metrics["learner/microbatches"]})
+    Path(args.out, f"rank{parallel.rank}.json").write_text(json.dumps(figures, indent=2) + "\n")
+    parallel.close()
+
+
+def launch(model_dir: str, out: Path, timeout: float) -> list[dict]:
+    """The RANKS ranks under torchrun, as `omrl run` starts the learner; each rank's figures."""
+    from deploy.supervisor import learner_launcher
+
+    cmd = [sys.executable, "-m", *learner_launcher(RANKS), "benchmarks.shards", "--model", model_dir, "--out", str(out)]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    if done.returncode != 0:
+        raise RuntimeError(f"the {RANKS} ranks failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
+                           f"{done.stderr[-3000:]}")
+    print(done.stdout, end="", flush=True)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
+
+
+def run(quick: bool, device: str = "cpu") -> dict:
+    spec = QUICK if quick else MODEL
+    with tempfile.TemporaryDirectory(prefix="omrl-bench-shards-") as tmp:
+        model_dir = os.path.join(tmp, "model")
+        params = build_model(model_dir, spec)
+        files = sorted(f.name for f in Path(model_dir).glob("*.safetensors"))
+        ranks = launch(model_dir, Path(tmp), timeout=300 if quick else 3600)
+    full = BYTES_PER_PARAM * params
+    rows = []
+    for r in ranks:
+        for key, when in PEAKS.items():
+            rows.append({"measure": f"rank {r['rank']} of {RANKS} (FSDP2, gloo): peak RSS bytes {when} / "
+                                    f"{BYTES_PER_PARAM} B x {params / 1e6:.1f}M params (one full fp32 params + "
+                                    f"grads + AdamW copy; lower is better, goal {GOAL})",
+                         "system": float(r[key]), "baseline": float(full), "ratio": spread([r[key] / full])})
+    result = {"rows": rows, "params": params, "model": spec, "full_copy_bytes": full, "goal": GOAL, "ranks": ranks,
+              "files": files, "batch": {"sequences": G * BATCH.groups, "min_len": BATCH.min_len,
+                                        "max_len": BATCH.max_len}, "measured_device": "cpu"}
+    for r in ranks:
+        print(f"shards: rank {r['rank']}: " + ", ".join(f"{k.removesuffix('_peak')} {r[k] / full:.3f}" for k in PEAKS)
+              + f" of one full copy ({full / 2**30:.2f} GiB)", flush=True)
+    return result
+
+
+def plot(result: dict, path) -> None:
+    plt = pyplot()
+    full = result["full_copy_bytes"]
+    ranks = result["ranks"]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    x = np.arange(len(ranks))
+    labels = {"start_peak": "at start (load + wrap)", "step1_peak": "first step", "step2_peak": "second step"}
+    width = 0.8 / len(labels)
+    for i, (key, label) in enumerate(labels.items()):
+        values = [r[key] / full for r in ranks]
+        bars = ax.bar(x + (i - (len(labels) - 1) / 2) * width, values, width, label=label)
+        ax.bar_label(bars, labels=[f"{v:.2f}\n{r[key] / 2**30:.2f} GiB" for v, r in zip(values, ranks)], fontsize=7)
+    ax.axhline(result["goal"], color="C2", linestyle="--", label=f"goal: {result['goal']}")
+    ax.axhline(1.0, color="C3", linestyle=":", label="one full copy")
+    ax.set_xticks(x, [f"rank {r['rank']}" for r in ranks])
+    ax.set_ylabel(f"peak RSS / ({BYTES_PER_PARAM} B x params)")
+    ax.set_ylim(0, max(1.2, 1.2 * max(r[k] / full for r in ranks for k in labels)))
+    ax.set_title(f"FSDP2, {len(ranks)} gloo ranks, {result['params'] / 1e6:.1f}M params "
+                 f"(full copy {full / 2**30:.2f} GiB): peak host memory per rank", fontsize=9)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    rank_main()
