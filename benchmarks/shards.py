@@ -9,7 +9,8 @@ own path, as `learner/worker.py` runs it: `learner.distributed.setup` (process g
 rows from the safetensors files: `load_shards`), the KL reference only where the learner
 config loads one (learner.kl_coef > 0; its default, 0, loads none), `Trainer` (which wraps
 with `fully_shard` and builds AdamW), then two `Trainer.train_step`s on one rollout group of
-8 sequences of 64-128 tokens, half of each generated. The first step allocates AdamW's
+8 sequences of 64-128 tokens, half of each generated, then the checkpoint's state
+(`Trainer.full_state`, gathered whole on rank 0 as every checkpoint is: issue 25, defect 3). The first step allocates AdamW's
 moments in its optimizer step; the second holds them from its start, as every later step
 does. Learner config: the defaults, with learner.parallel = "fsdp2" and learner.device =
 "cpu" (fp32, 1 torch thread per rank).
@@ -59,7 +60,8 @@ BATCH = Shape(groups=1, max_len=128, batches=1, min_len=64)  # 8 sequences of 64
 PHASES = ("setup", "load", "trainer", "step1", "step2")  # "start" is the first three
 PEAKS = {"start_peak": "at start (process group, sharded load, wrap, AdamW)",
          "step1_peak": "during the first train_step (AdamW's moments allocated in it)",
-         "step2_peak": "during the second train_step (AdamW's moments held throughout)"}
+         "step2_peak": "during the second train_step (AdamW's moments held throughout)",
+         "checkpoint_peak": "while the checkpoint's state is gathered (Trainer.full_state: whole on rank 0)"}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -158,6 +160,12 @@ def rank_main() -> None:
             metrics = trainer.train_step(batch)
         figures.update({f"{name}_peak": phases[name]["peak"],
                         f"{name}_hwm": _status()["VmHWM"] if reset else None})
+    reset = _reset_hwm()
+    with Phase(phases, "checkpoint"):  # what a checkpoint holds: the whole state, on rank 0
+        model_state, optim_state = trainer.full_state()
+    figures.update({"checkpoint_peak": phases["checkpoint"]["peak"],
+                    "checkpoint_hwm": _status()["VmHWM"] if reset else None})
+    del model_state, optim_state
     figures.update({
                "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                "reference": reference is not None, "threads": torch.get_num_threads(),
@@ -211,7 +219,8 @@ def plot(result: dict, path) -> None:
     ranks = result["ranks"]
     fig, ax = plt.subplots(figsize=(7, 4))
     x = np.arange(len(ranks))
-    labels = {"start_peak": "at start (load + wrap)", "step1_peak": "first step", "step2_peak": "second step"}
+    labels = {"start_peak": "at start (load + wrap)", "step1_peak": "first step", "step2_peak": "second step",
+              "checkpoint_peak": "checkpoint's state"}
     width = 0.8 / len(labels)
     for i, (key, label) in enumerate(labels.items()):
         values = [r[key] / full for r in ranks]
@@ -221,10 +230,10 @@ def plot(result: dict, path) -> None:
     ax.axhline(1.0, color="C3", linestyle=":", label="one full copy")
     ax.set_xticks(x, [f"rank {r['rank']}" for r in ranks])
     ax.set_ylabel(f"peak RSS / ({BYTES_PER_PARAM} B x params)")
-    ax.set_ylim(0, max(1.2, 1.2 * max(r[k] / full for r in ranks for k in labels)))
+    ax.set_ylim(0, 1.45 * max(1.0, max(r[k] / full for r in ranks for k in labels)))  # room for the legend
     ax.set_title(f"FSDP2, {len(ranks)} gloo ranks, {result['params'] / 1e6:.1f}M params "
                  f"(full copy {full / 2**30:.2f} GiB): peak host memory per rank", fontsize=9)
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, ncol=3, loc="upper center")
     ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     fig.savefig(path, dpi=100)

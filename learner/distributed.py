@@ -117,8 +117,11 @@ class Single:
             state = get_model_state_dict(module, options=opts), {}
         else:
             state = get_state_dict(module, optimizer, options=opts)
-        if self.device.type == "cpu":  # offloading copied nothing: copy, so that training can go on while it is written
-            state = torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x, state)
+        if self.device.type == "cpu":  # offloading copied nothing: copy what is the training's own tensors, so
+            # that training can go on while it is written (a gathered shard is a new tensor already: not again)
+            live = {t.data_ptr() for t in _local_tensors(module, optimizer)}
+            state = torch.utils._pytree.tree_map(
+                lambda x: x.clone() if isinstance(x, torch.Tensor) and x.data_ptr() in live else x, state)
         model_state = state[0]
         for alias, name in tied_names(module).items():  # tied weights stay one tensor: saved and sent once
             if alias in model_state and name in model_state:
@@ -254,6 +257,18 @@ class FSDP2(_Distributed):
             yield
         finally:
             module.set_requires_gradient_sync(True)
+
+
+def _local_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[torch.Tensor]:
+    """The tensors this rank trains with: the module's state and the optimizer's, each rank's
+    local piece of a sharded one."""
+    from torch.distributed.tensor import DTensor
+
+    tensors = list(module.state_dict(keep_vars=True).values())
+    if optimizer is not None:
+        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    for t in tensors:
+        yield t.to_local() if isinstance(t, DTensor) else t
 
 
 def tied_names(module: torch.nn.Module) -> dict[str, str]:

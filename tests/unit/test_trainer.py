@@ -114,3 +114,26 @@ def test_tied_output_layer_is_published_once(tmp_path):
     model_state, _ = trainer.full_state()
     tied = model_state["lm.lm_head.weight"], model_state["lm.model.embed_tokens.weight"]
     assert tied[0].untyped_storage().data_ptr() == tied[1].untyped_storage().data_ptr()  # saved once
+
+
+def test_the_full_state_is_a_copy_that_training_goes_on_without():
+    """The checkpoint's state is written in the background while training goes on: on the CPU it
+    must hold copies of the model's and AdamW's tensors, not the tensors themselves."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from learner.trainer import Trainer
+
+    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+    trainer = Trainer(model, LearnerConfig(lr=1e-2))
+    trainer.train_step(collate(varied_groups(1)))  # AdamW's moments exist
+    model_state, optim_state = trainer.full_state()
+    saved = torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x,
+                                         (model_state, optim_state))
+    trainer.train_step(collate(varied_groups(1)))
+    moved = [k for k, v in model_state.items() if not torch.equal(v, dict(trainer.scorer.state_dict())[k])]
+    assert moved, "the step changed no weight: the check below could not fail"
+    assert all(torch.equal(v, saved[0][k]) for k, v in model_state.items())
+    flat, _ = torch.utils._pytree.tree_flatten(optim_state)
+    flat_saved, _ = torch.utils._pytree.tree_flatten(saved[1])
+    assert all(torch.equal(a, b) for a, b in zip(flat, flat_saved) if isinstance(a, torch.Tensor))
