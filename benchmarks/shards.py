@@ -8,12 +8,23 @@ own path, as `learner/worker.py` runs it: `learner.distributed.setup` (process g
 `FSDP2.load_model` (built on the meta device, decoder layers sharded, each rank reading its
 rows from the safetensors files: `load_shards`), the KL reference only where the learner
 config loads one (learner.kl_coef > 0; its default, 0, loads none), `Trainer` (which wraps
-with `fully_shard` and builds AdamW), then two `Trainer.train_step`s on one rollout group of
-8 sequences of 64-128 tokens, half of each generated, then the checkpoint's state
-(`Trainer.full_state`, gathered whole on rank 0 as every checkpoint is: issue 25, defect 3). The first step allocates AdamW's
+with `fully_shard` and builds AdamW), then `Trainer.train_step`s on one rollout group of 8
+sequences of 64-128 tokens, half of each generated. The first step allocates AdamW's
 moments in its optimizer step; the second holds them from its start, as every later step
-does. Learner config: the defaults, with learner.parallel = "fsdp2" and learner.device =
-"cpu" (fp32, 1 torch thread per rank).
+does. After the second, a checkpoint as the learner writes one (`Trainer.save_checkpoint`,
+background: each rank copies its shards of the model and AdamW state, then writes them from
+a thread over a gloo group of their own; rank 0 then names the directory: `finish`), and
+steps 3 and 4. Learner config: the defaults, with learner.parallel = "fsdp2" and
+learner.device = "cpu" (fp32, 1 torch thread per rank).
+
+The same run then goes on on 1 rank from the step-2 checkpoint (step 3, a checkpoint) and
+on 2 ranks again from that one (step 4): after each step every run records the squared norm
+of its weights (over every rank's shards), and a resumed run must match the uninterrupted
+one far closer than one step moves it (AdamW's moments included: without them step 4
+moves elsewhere). Rows besides the memory: the loop's cost per checkpoint (the call, and how much longer the
+step beside the background copy and write took than the steps before and after it) at the
+cadence `omrl run` gives this model (`learner.checkpoint_every`: 10 for a real-size model)
+against that many steps (goal 0.10), and what was left of the write after that step.
 
 Each rank samples its own resident set (`PeakRss`: /proc/self/statm every 2 ms) over each
 phase, and reads the kernel's high-water mark (VmHWM) as a check; it writes its figures, and
@@ -61,7 +72,8 @@ PHASES = ("setup", "load", "trainer", "step1", "step2")  # "start" is the first 
 PEAKS = {"start_peak": "at start (process group, sharded load, wrap, AdamW)",
          "step1_peak": "during the first train_step (AdamW's moments allocated in it)",
          "step2_peak": "during the second train_step (AdamW's moments held throughout)",
-         "checkpoint_peak": "while the checkpoint's state is gathered (Trainer.full_state: whole on rank 0)"}
+         "checkpoint_peak": "while a checkpoint is taken and written in the background (each rank its own shards, "
+                            "copied first: learner.checkpoint_async)"}
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -122,16 +134,24 @@ class Phase(PeakRss):
 
 
 def rank_main() -> None:
-    """One rank, under torchrun: the learner's start and one step, its figures to OUT/rank{r}.json."""
+    """One rank, under torchrun: the learner's start (or a resume), steps --first..--last on the
+    same batch, a checkpoint written in the background after step --save; its figures to
+    OUT/TAG-rank{r}.json."""
     p = argparse.ArgumentParser()
     p.add_argument("--model", required=True)
     p.add_argument("--out", required=True)
+    p.add_argument("--tag", required=True)
+    p.add_argument("--first", type=int, default=1)
+    p.add_argument("--last", type=int, required=True)
+    p.add_argument("--save", type=int, help="checkpoint after this step, into OUT/TAG-checkpoint")
+    p.add_argument("--resume", help="a checkpoint directory to start from")
     args = p.parse_args()
 
     import torch
 
     from common.config import LearnerConfig
     from learner.batch import collate
+    from learner.checkpoint import LearnerState, finish
     from learner.distributed import setup
     from learner.trainer import REFERENCE_DTYPE, Trainer
 
@@ -149,53 +169,83 @@ def rank_main() -> None:
     with Phase(phases, "trainer"):
         trainer = Trainer(model, cfg, parallel, reference)
     start_hwm = _status()["VmHWM"]  # since the process began: the start's exact peak
+    if args.resume:
+        with Phase(phases, "resume"):
+            trainer.load_checkpoint(Path(args.resume))
     vocab = model.config.vocab_size
     batch = collate(make_groups(np.random.default_rng(0), BATCH, vocab))
     batch.behav_logprobs = -float(np.log(vocab)) * batch.generated_mask  # near a random model's own
-    figures = {"rank": parallel.rank, "world": parallel.world, "phases": phases,
+    figures = {"rank": parallel.rank, "world": parallel.world, "phases": phases, "norms": {},
                "start_peak": max(phases[n]["peak"] for n in PHASES[:3]), "start_hwm": start_hwm}
-    for name in PHASES[3:]:
+    for step in range(args.first, args.last + 1):
         reset = _reset_hwm()  # so VmHWM is this step's exact peak, a check on the sampled one
-        with Phase(phases, name):
+        with Phase(phases, f"step{step}"):
             metrics = trainer.train_step(batch)
-        figures.update({f"{name}_peak": phases[name]["peak"],
-                        f"{name}_hwm": _status()["VmHWM"] if reset else None})
-    reset = _reset_hwm()
-    with Phase(phases, "checkpoint"):  # what a checkpoint holds: the whole state, on rank 0
-        model_state, optim_state = trainer.full_state()
-    figures.update({"checkpoint_peak": phases["checkpoint"]["peak"],
-                    "checkpoint_hwm": _status()["VmHWM"] if reset else None})
-    del model_state, optim_state
+        figures.update({f"step{step}_peak": phases[f"step{step}"]["peak"],
+                        f"step{step}_hwm": _status()["VmHWM"] if reset else None})
+        # The weights' squared norm over every rank's shards: the same run is at the same weights.
+        # (Read while a checkpoint's copy may run: reading is all either does.)
+        local = sum(float(p.to_local().double().pow(2).sum()) if hasattr(p, "to_local") else
+                    float(p.detach().double().pow(2).sum()) for p in trainer.scorer.parameters())
+        figures["norms"][step] = parallel.sum([local])[0]
+        figures["copy_wait_s"] = figures.get("copy_wait_s", 0.0) + metrics.get("learner/time/checkpoint_copy_s", 0.0)
+        if step == args.save:
+            path = Path(args.out, f"{args.tag}-checkpoint", f"step-{step:08d}.tmp")
+            path.mkdir(parents=True, exist_ok=True)
+            with Phase(phases, "checkpoint"):  # what the loop waits for here; the copy runs beside the next step
+                written = trainer.save_checkpoint(path, background=True)
+        if args.save is not None and (step == args.save + 1 or step == args.last == args.save):
+            with Phase(phases, "written"):  # what is left of the background copy and write
+                written.result()
+                if parallel.is_main:
+                    finish(path, LearnerState(step=args.save, version=args.save), keep=1)
+            figures["checkpoint_peak"] = max([phases["written"]["peak"]] + [
+                phases[f"step{s}"]["peak"] for s in range(args.save + 1, step + 1)])
     figures.update({
                "ru_maxrss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+               "peak": max(v["peak"] for v in phases.values()),
                "reference": reference is not None, "threads": torch.get_num_threads(),
                "sequences": int(batch.tokens.shape[0]), "padded_T": int(batch.tokens.shape[1]),
                "tokens": int(batch.attention_mask.sum()), "loss": metrics["learner/loss/policy"],
                "microbatches": metrics["learner/microbatches"]})
-    Path(args.out, f"rank{parallel.rank}.json").write_text(json.dumps(figures, indent=2) + "\n")
+    Path(args.out, f"{args.tag}-rank{parallel.rank}.json").write_text(json.dumps(figures, indent=2) + "\n")
+    if parallel.world > 1:
+        torch.distributed.barrier()  # every rank leaves together (gloo pairs torn down early once aborted)
     parallel.close()
 
 
-def launch(model_dir: str, out: Path, timeout: float) -> list[dict]:
-    """The RANKS ranks under torchrun, as `omrl run` starts the learner; each rank's figures."""
+def launch(model_dir: str, out: Path, timeout: float, tag: str, ranks: int, *args: str) -> list[dict]:
+    """`ranks` ranks under torchrun, as `omrl run` starts the learner; each rank's figures."""
     from deploy.supervisor import learner_launcher
 
-    cmd = [sys.executable, "-m", *learner_launcher(RANKS), "benchmarks.shards", "--model", model_dir, "--out", str(out)]
+    cmd = [sys.executable, "-m", *learner_launcher(ranks), "benchmarks.shards", "--model", model_dir,
+           "--out", str(out), "--tag", tag, *args]
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
-        raise RuntimeError(f"the {RANKS} ranks failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
+        raise RuntimeError(f"{tag}: the {ranks} rank(s) failed (exit {done.returncode}):\n{done.stdout[-3000:]}\n"
                            f"{done.stderr[-3000:]}")
     print(done.stdout, end="", flush=True)
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    return [json.loads((out / f"{tag}-rank{r}.json").read_text()) for r in range(ranks)]
 
 
 def run(quick: bool, device: str = "cpu") -> dict:
+    from common.config import LearnerConfig, model_defaults
+
     spec = QUICK if quick else MODEL
     with tempfile.TemporaryDirectory(prefix="omrl-bench-shards-") as tmp:
+        out, timeout = Path(tmp), 300 if quick else 3600
         model_dir = os.path.join(tmp, "model")
         params = build_model(model_dir, spec)
+        # The cadence `omrl run --model DIR` would use for this model (a real-size model's default).
+        every = model_defaults({"model": {"path": model_dir}}).get("learner.checkpoint_every",
+                                                                     LearnerConfig().checkpoint_every)
         files = sorted(f.name for f in Path(model_dir).glob("*.safetensors"))
-        ranks = launch(model_dir, Path(tmp), timeout=300 if quick else 3600)
+        # The same run on 2 ranks, then on 1 from 2's checkpoint, then on 2 again from 1's.
+        ranks = launch(model_dir, out, timeout, "two", RANKS, "--last", "4", "--save", "2")
+        one = launch(model_dir, out, timeout, "one", 1, "--first", "3", "--last", "3", "--save", "3",
+                     "--resume", str(out / "two-checkpoint" / "step-00000002"))[0]
+        again = launch(model_dir, out, timeout, "again", RANKS, "--first", "4", "--last", "4",
+                       "--resume", str(out / "one-checkpoint" / "step-00000003"))
     full = BYTES_PER_PARAM * params
     rows = []
     for r in ranks:
@@ -204,12 +254,41 @@ def run(quick: bool, device: str = "cpu") -> dict:
                                     f"{BYTES_PER_PARAM} B x {params / 1e6:.1f}M params (one full fp32 params + "
                                     f"grads + AdamW copy; lower is better, goal {GOAL})",
                          "system": float(r[key]), "baseline": float(full), "ratio": spread([r[key] / full])})
+    lead = ranks[0]["phases"]
+    step_s = (lead["step2"]["seconds"] + lead["step4"]["seconds"]) / 2  # the steps before and after: none beside them
+    cost = lead["checkpoint"]["seconds"] + max(0.0, lead["step3"]["seconds"] - step_s)
+    rows.append({"measure": f"the training loop's cost per checkpoint (rank 0: the call, plus how much longer the step "
+                            f"beside the background copy and write took than the mean of the steps before and after "
+                            f"it) at the default cadence "
+                            f"(learner.checkpoint_every = {every}) / that many steps' time (lower is better, goal 0.10)",
+                 "system": cost, "baseline": every * step_s, "ratio": spread([cost / (every * step_s)])})
+    rows.append({"measure": "what was left of the background copy and write once the step beside it ended (every "
+                            "rank's shards and the metadata, then renamed into place) / a step's time (below "
+                            "checkpoint_every: the next checkpoint never waits)",
+                 "system": lead["written"]["seconds"], "baseline": step_s,
+                 "ratio": spread([lead["written"]["seconds"] / step_s])})
+    moved = {s: abs(ranks[0]["norms"][str(s)] - ranks[0]["norms"][str(s - 1)]) for s in (3, 4)}
+    resumed = {3: abs(one["norms"]["3"] - ranks[0]["norms"]["3"]), 4: abs(again[0]["norms"]["4"] - ranks[0]["norms"]["4"])}
+    for s, how in ((3, "1 rank from the 2 ranks' checkpoint of step 2"), (4, "2 ranks from that 1 rank's checkpoint")):
+        rows.append({"measure": f"resume 2 -> 1 -> 2: |the weights' squared norm after step {s}, {how}, minus the "
+                                f"uninterrupted 2-rank run's| / how much step {s} moved it there (lower is better: "
+                                f"0 is the same run)", "system": resumed[s], "baseline": moved[s],
+                     "ratio": spread([resumed[s] / moved[s]])})
+    rows.append({"measure": "1 rank (resumed from 2): peak RSS bytes over the run / one full copy (info: one rank "
+                            "holds the whole state, and a checkpoint's copy of its model and AdamW state)",
+                 "system": float(one["peak"]), "baseline": float(full), "ratio": spread([one["peak"] / full])})
     result = {"rows": rows, "params": params, "model": spec, "full_copy_bytes": full, "goal": GOAL, "ranks": ranks,
+              "one_rank": one, "again": again, "checkpoint_every": every,
               "files": files, "batch": {"sequences": G * BATCH.groups, "min_len": BATCH.min_len,
                                         "max_len": BATCH.max_len}, "measured_device": "cpu"}
     for r in ranks:
         print(f"shards: rank {r['rank']}: " + ", ".join(f"{k.removesuffix('_peak')} {r[k] / full:.3f}" for k in PEAKS)
               + f" of one full copy ({full / 2**30:.2f} GiB)", flush=True)
+    print(f"shards: a checkpoint cost the loop {cost:.2f} s (the call {lead['checkpoint']['seconds']:.2f} s, the step "
+          f"beside it {lead['step3']['seconds']:.1f} s, the others {step_s:.1f} s, its update waited "
+          f"{ranks[0]['copy_wait_s']:.2f} s for the copy); {lead['written']['seconds']:.1f} s left to write after it; "
+          f"resume 2 -> 1 -> 2 off the uninterrupted run by {resumed[3] / moved[3]:.1e} and "
+          f"{resumed[4] / moved[4]:.1e} of a step's change", flush=True)
     return result
 
 
@@ -220,7 +299,7 @@ def plot(result: dict, path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     x = np.arange(len(ranks))
     labels = {"start_peak": "at start (load + wrap)", "step1_peak": "first step", "step2_peak": "second step",
-              "checkpoint_peak": "checkpoint's state"}
+              "checkpoint_peak": "checkpoint (copy + write)"}
     width = 0.8 / len(labels)
     for i, (key, label) in enumerate(labels.items()):
         values = [r[key] / full for r in ranks]

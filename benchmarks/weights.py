@@ -724,7 +724,7 @@ def _publish_memory(args: argparse.Namespace) -> None:
     """One packing of a version for the broadcast transport in this process, in bf16 with the
     default bucket size: the peak resident memory it added, as JSON on stdout. `gathered`: the
     learner's path (`Trainer.weights_packed`: a tensor at a time, packed as gathered); `whole`:
-    the path before it, the whole fp32 state gathered first (`full_state`), cast, then packed."""
+    the path before it, the whole fp32 state gathered first (a full state dict), cast, then packed."""
     import torch
 
     from benchmarks.learner import PeakRss
@@ -742,7 +742,9 @@ def _publish_memory(args: argparse.Namespace) -> None:
         if args.publish_memory == "gathered":
             packed = trainer.weights_packed(1, torch.bfloat16, bucket, "cpu")
         else:
-            state, _ = trainer.parallel.full_state(trainer.scorer)
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            state = get_model_state_dict(trainer.scorer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
             tied = PREFIX + "lm_head.weight" if trainer.model.config.tie_word_embeddings else None
             policy = {k[len(PREFIX):]: v.to(torch.bfloat16) for k, v in state.items() if k.startswith(PREFIX) and k != tied}
             del state

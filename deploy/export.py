@@ -32,10 +32,11 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Pat
         raise SystemExit(f"error: {out} exists and is not an empty directory: name a new one")
     checkpoint = _checkpoint(run_dir / "checkpoints", step)
 
-    from learner.checkpoint import read_checkpoint
+    from learner.checkpoint import read_model, read_state
+    from learner.trainer import PREFIX
 
-    state, model_state, _ = read_checkpoint(checkpoint)
-    model = _policy(base, model_state, checkpoint)
+    state = read_state(checkpoint)
+    model = _policy(base, read_model(checkpoint, PREFIX), checkpoint)  # the policy's tensors only
     target = out.absolute()
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
@@ -67,7 +68,7 @@ def _base_model(run_dir: Path) -> str:
 
 
 def _checkpoint(directory: Path, step: int | None) -> Path:
-    from learner.checkpoint import latest_checkpoint
+    from learner.checkpoint import checkpoint_path, checkpoints, latest_checkpoint
 
     newest = latest_checkpoint(directory)
     if newest is None:
@@ -75,9 +76,9 @@ def _checkpoint(directory: Path, step: int | None) -> Path:
                          f"(learner.checkpoint_every steps)")
     if step is None:
         return newest
-    path = directory / f"step-{step:08d}.pt"
-    if not path.is_file():
-        kept = ", ".join(p.name for p in sorted(directory.glob("step-*.pt")))
+    path = checkpoint_path(directory, step)
+    if path not in checkpoints(directory):
+        kept = ", ".join(p.name for p in checkpoints(directory))
         raise SystemExit(f"error: no checkpoint of step {step} in {directory} (there are {kept}; "
                          f"learner.keep_checkpoints says how many are kept)")
     return path
@@ -100,10 +101,9 @@ def _policy(base: str, model_state: dict, checkpoint: Path):
         model.generation_config = GenerationConfig.from_pretrained(base)
     except OSError:  # the base has no generation_config.json: keep the one derived from the config
         pass
-    foreign = [k for k in model_state if not k.startswith(PREFIX)]
-    if foreign:
-        raise SystemExit(f"error: {checkpoint} holds {foreign[0]!r}, not a policy weight named {PREFIX}...: "
-                         f"not a learner checkpoint of this version")
+    if not model_state:
+        raise SystemExit(f"error: {checkpoint} holds no policy weights (named {PREFIX}...): not a learner "
+                         f"checkpoint of this version")
     state = {k[len(PREFIX):]: v.float() for k, v in model_state.items()}  # fp32 already, as the learner keeps it
     head = _weight_name(model, model.get_output_embeddings())
     tied = model.config.tie_word_embeddings

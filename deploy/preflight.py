@@ -219,10 +219,12 @@ def check_run_dir(cfg: Config, ctx: Context) -> str:
         raise Failed(f"run.run_dir = {run_dir} is not writable ({exc.strerror or exc})",
                      "choose a directory you can write (--run-dir DIR)") from None
     free = shutil.disk_usage(existing).free
-    # A checkpoint holds the fp32 weights and AdamW's two moments; keep_checkpoints of them.
-    need = (ctx.model_bytes or 0) * 3 * cfg.learner.keep_checkpoints
+    # A checkpoint holds the fp32 weights and AdamW's two moments; keep_checkpoints of them, and the next
+    # one, written before the oldest goes.
+    need = (ctx.model_bytes or 0) * 3 * (cfg.learner.keep_checkpoints + 1)
     if need and free < need:
-        raise Failed(f"{run_dir} has {free / 1e9:.1f} GB free, and {cfg.learner.keep_checkpoints} checkpoints need "
+        raise Failed(f"{run_dir} has {free / 1e9:.1f} GB free, and {cfg.learner.keep_checkpoints} checkpoints and "
+                     f"the one being written need "
                      f"about {need / 1e9:.1f} GB", "free space, choose another --run-dir, or lower "
                      "learner.keep_checkpoints", warn=True)
     return f"{run_dir} {'writable' if existing == run_dir else 'can be created'}, {free / 1e9:.0f} GB free"

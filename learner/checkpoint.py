@@ -1,7 +1,9 @@
 """Checkpoints: model, optimizer, step, weight version and the ids of the newest groups
-trained on, written atomically (temporary file, fsync, rename). Groups are acknowledged
-only after the checkpoint that holds them, so a restarted learner neither loses pending
-groups nor trains twice on acknowledged ones.
+trained on. Sharded: every rank writes its own part of the model and optimizer state
+(torch.distributed.checkpoint), in the background if asked; rank 0 then writes the
+learner's state and renames the directory into place, so a checkpoint is either whole or
+absent. Groups are acknowledged only after the checkpoint that holds them, so a restarted
+learner neither loses pending groups nor trains twice on acknowledged ones.
 
 The ids are a bounded window (`learner.dedup_window`): a group can come again only while
 an entry of it is still in a stream (pending, or a copy that a retried XADD wrote), and
@@ -11,17 +13,22 @@ over runs of days."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import re
+import shutil
+import warnings
 from collections import deque
 from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 log = logging.getLogger(__name__)
-_NAME = re.compile(r"^step-(\d+)\.pt$")
+# One process (no process group) is a use DCP supports and we ask for (no_dist): its warning says nothing.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
 
 
 @dataclasses.dataclass
@@ -60,43 +67,170 @@ class RecentIds:
         return list(self._order)
 
 
-FORMAT = 2
-"""Unsharded state named by parameter path (torch.distributed.checkpoint's full state dict), so a
-checkpoint resumes on any rank count and `parallel` kind. Format 1 (before ranks) is refused."""
+FORMAT = 3
+"""A directory per checkpoint, `step-NNNNNNNN/`: torch.distributed.checkpoint's files (every
+rank writes its own shards, `.metadata` says where each piece of each tensor is) and
+`learner.json` (the LearnerState and this format number), written last. Named by parameter
+path, so a checkpoint resumes on any rank count and `parallel` kind (DCP reshards on load).
+Formats 1 and 2 (one `step-N.pt` file, the whole state gathered on rank 0) are refused."""
+STATE_FILE = "learner.json"
+MODEL, OPTIMIZER = "model", "optimizer"  # the state dict's two parts (DCP names tensors `model.<parameter path>`)
+_NAME = re.compile(r"^step-(\d+)$")
 
 
-def save_checkpoint(directory: str | Path, state: LearnerState, model_state: dict, optim_state: dict,
-                    keep: int) -> Path:
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / f"step-{state.step:08d}.pt"
-    tmp = path.with_suffix(".tmp")
-    with open(tmp, "wb") as f:
-        torch.save({"format": FORMAT, "state": dataclasses.asdict(state), "model": model_state,
-                    "optimizer": optim_state}, f)
+def checkpoint_path(directory: str | Path, step: int) -> Path:
+    return Path(directory) / f"step-{step:08d}"
+
+
+def begin(directory: str | Path, step: int) -> Path:
+    """The empty directory step `step`'s checkpoint is written into before `finish` names it
+    (what a crash in the middle of a write left there is removed)."""
+    tmp = checkpoint_path(directory, step).with_suffix(".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    return tmp
+
+
+_WRITER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")  # one checkpoint at a time
+
+
+def save_shards(state_dict: dict, path: Path, group, background: bool) -> tuple[Future, Future]:
+    """Every rank, together: write this rank's part of `state_dict` into `path` (one directory
+    all ranks can reach). Returns (copied, written).
+
+    background: a thread copies the state to the CPU, then writes the copy, while training
+    goes on; the tensors must not change until `copied` is done (`Trainer` waits for it
+    before its next optimizer step, so the copy runs beside the next step's forward and
+    backward). On a GPU the copy runs on a stream of its own, after what the caller's
+    stream has queued. Otherwise: written from the tensors themselves (no copy) before this
+    returns. `written` is done when this rank's part is; on rank 0 (DCP's coordinator),
+    when every rank's is, with the metadata: then `finish` may run."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(path, sync_files=True)  # fsync'd: a finished checkpoint survives a power cut
+    no_dist = not dist.is_initialized()
+    if not background:
+        done: Future = Future()
+        done.set_result(dcp.save(state_dict, storage_writer=writer, process_group=group, no_dist=no_dist))
+        return done, done
+    cuda = next((t.device for t in torch.utils._pytree.tree_leaves(state_dict)
+                 if isinstance(t, torch.Tensor) and t.is_cuda), None)
+    queued = None
+    if cuda is not None:
+        queued = torch.cuda.Event()
+        queued.record()  # the caller's stream: the copy starts after the last update
+    copied: Future = Future()
+
+    def copy_then_write():
+        try:
+            staged = _cpu_copy(state_dict, cuda, queued)
+        except BaseException as exc:
+            copied.set_exception(exc)
+            raise
+        copied.set_result(None)
+        return dcp.save(staged, storage_writer=writer, process_group=group, no_dist=no_dist)
+
+    return copied, _WRITER.submit(copy_then_write)
+
+
+def _cpu_copy(state_dict: dict, cuda: torch.device | None, queued) -> dict:
+    """`state_dict` with every tensor copied to the CPU once (a DTensor keeps its mesh and
+    placements around the copy of its local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    def copy(x):
+        if isinstance(x, DTensor):
+            return DTensor.from_local(copy(x.to_local()), x.device_mesh, x.placements, run_check=False,
+                                      shape=x.shape, stride=x.stride())
+        if isinstance(x, torch.Tensor):
+            return x.detach().to("cpu", copy=True)
+        return x
+
+    if cuda is None:
+        return torch.utils._pytree.tree_map(copy, state_dict)
+    stream = torch.cuda.Stream(cuda)
+    stream.wait_event(queued)
+    with torch.cuda.stream(stream):
+        staged = torch.utils._pytree.tree_map(copy, state_dict)
+    stream.synchronize()
+    return staged
+
+
+def finish(tmp: Path, state: LearnerState, keep: int) -> Path:
+    """Rank 0, once every rank's shards are in `tmp`: write the learner's state last, rename the
+    directory to its name, drop the oldest beyond `keep`. Returns the checkpoint's path."""
+    with open(tmp / STATE_FILE, "w") as f:
+        json.dump({"format": FORMAT, "state": dataclasses.asdict(state)}, f)
         f.flush()
         os.fsync(f.fileno())
+    path = checkpoint_path(tmp.parent, state.step)
+    shutil.rmtree(path, ignore_errors=True)  # a step trained again after a crash before its acknowledgements
     os.replace(tmp, path)
-    for old in _checkpoints(directory)[:-keep]:
-        old.unlink()
+    _fsync_dir(tmp.parent)  # the rename itself durable
+    for old in checkpoints(tmp.parent)[:-keep]:
+        shutil.rmtree(old)
     return path
 
 
-def _checkpoints(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.glob("step-*.pt") if _NAME.match(p.name))
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def checkpoints(directory: Path) -> list[Path]:
+    """The finished checkpoints in `directory`, oldest first."""
+    return sorted(p for p in directory.iterdir() if _NAME.match(p.name) and (p / STATE_FILE).is_file())
 
 
 def latest_checkpoint(directory: str | Path) -> Path | None:
-    found = _checkpoints(Path(directory)) if Path(directory).is_dir() else []
+    directory = Path(directory)
+    if not directory.is_dir():
+        return None
+    found = checkpoints(directory)
+    old = sorted(directory.glob("step-*.pt"))
+    if not found and old:
+        raise SystemExit(f"error: {old[-1]} was written by an older learner (one file, format 2; this one writes "
+                         f"and reads sharded directories, format {FORMAT}): start a new run dir, or export it with "
+                         f"the version that wrote it")
     return found[-1] if found else None
 
 
-def read_checkpoint(path: Path) -> tuple[LearnerState, dict, dict]:
-    """(state, model state, optimizer state) of a checkpoint file."""
-    data = torch.load(path, map_location="cpu", weights_only=True)
+def read_state(path: Path) -> LearnerState:
+    """The learner's state of checkpoint `path` (a directory `finish` named)."""
+    data = json.loads((Path(path) / STATE_FILE).read_text())
     if data.get("format") != FORMAT:
-        raise SystemExit(f"error: {path} was written by an older learner (format {data.get('format', 1)}, this one "
-                         f"reads {FORMAT}): start a new run dir, or export it with the version that wrote it")
-    state = LearnerState(**{"groups_trained": len(data["state"]["trained_ids"]), **data["state"]})
+        raise SystemExit(f"error: {path} has format {data.get('format')}, this learner reads {FORMAT}: start a "
+                         f"new run dir, or export it with the version that wrote it")
+    state = LearnerState(**data["state"])
     log.info("read %s: step %d, version %d, %d groups trained", path, state.step, state.version, state.groups_trained)
-    return state, data["model"], data["optimizer"]
+    return state
+
+
+def load_shards(state_dict: dict, path: Path, group) -> None:
+    """Every rank, together: fill `state_dict`'s tensors in place (this rank's shards of them)
+    from checkpoint `path`, whatever rank count wrote it."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    dcp.load(state_dict, storage_reader=dcp.FileSystemReader(path), process_group=group,
+             no_dist=not dist.is_initialized())
+
+
+def read_model(path: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The model's tensors of checkpoint `path` whose names start with `prefix`, whole, on the CPU,
+    in one process: only they are read (no optimizer state)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    reader = dcp.FileSystemReader(path)
+    wanted = f"{MODEL}.{prefix}"
+    state = {key: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for key, meta in reader.read_metadata().state_dict_metadata.items()
+             if key.startswith(wanted) and isinstance(meta, TensorStorageMetadata)}
+    dcp.load(state, storage_reader=reader, no_dist=True)
+    return {key[len(MODEL) + 1:]: tensor for key, tensor in state.items()}
+

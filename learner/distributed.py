@@ -52,6 +52,7 @@ class Single:
     """One process: every collective is the identity."""
 
     rank, world, is_main = 0, 1, True
+    checkpoint_group = None  # the process group checkpoints are saved over (none: one process)
 
     def __init__(self, device: torch.device):
         self.device = device
@@ -78,11 +79,10 @@ class Single:
                  ) -> Iterator[tuple[str, torch.Tensor | None]]:
         """The module's state (parameters and persistent buffers) whole, one tensor at a time, as
         new CPU tensors in `dtype` (their own when None) on rank 0 and None elsewhere; named as
-        `full_state` names them, a tied weight once (its first name). A sharded tensor is
+        `train_state` names them, a tied weight once (its first name). A sharded tensor is
         gathered, cast on the device and copied out before the next one: what publishing adds
         to the learner's memory is the copy it keeps, plus one tensor whole in its training
-        dtype, not a whole fp32 copy of the model first (`full_state`). Every rank must run
-        it to its end."""
+        dtype, never a whole fp32 copy of the model first. Every rank must run it to its end."""
         from torch.distributed.tensor import DTensor
 
         aliases = tied_names(module)
@@ -106,42 +106,32 @@ class Single:
         """Each value summed over the ranks (float64)."""
         return list(values)
 
-    def full_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None
-                   ) -> tuple[dict, dict]:
-        """Unsharded copies of the model (and optimizer) state on CPU on rank 0, named by parameter
-        path (no wrapper prefix); empty dicts elsewhere. Every rank must call it."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_state_dict
+    def train_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """{"model": ..., "optimizer": ...}: the training's own state as this rank holds it (its
+        shards under FSDP2, whole in one process and under DDP), the live tensors, named by
+        parameter path (no wrapper prefix): what a checkpoint saves from and loads into
+        (`learner.checkpoint`). A tied weight appears once, under its first name. Every rank
+        must call it."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
 
-        opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-        if optimizer is None:
-            state = get_model_state_dict(module, options=opts), {}
-        else:
-            state = get_state_dict(module, optimizer, options=opts)
-        if self.device.type == "cpu":  # offloading copied nothing: copy what is the training's own tensors, so
-            # that training can go on while it is written (a gathered shard is a new tensor already: not again)
-            live = {t.data_ptr() for t in _local_tensors(module, optimizer)}
-            state = torch.utils._pytree.tree_map(
-                lambda x: x.clone() if isinstance(x, torch.Tensor) and x.data_ptr() in live else x, state)
-        model_state = state[0]
-        for alias, name in tied_names(module).items():  # tied weights stay one tensor: saved and sent once
-            if alias in model_state and name in model_state:
-                model_state[alias] = model_state[name]
-        return state
+        from learner.checkpoint import MODEL, OPTIMIZER
 
-    def load_full_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, model_state: dict,
-                        optim_state: dict) -> None:
-        """The inverse of full_state, at this run's rank count (which may differ from the saver's)."""
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_model_state_dict,
-            set_optimizer_state_dict,
-        )
+        model_state, optim_state = get_state_dict(module, optimizer)
+        for alias in tied_names(module):
+            model_state.pop(alias, None)
+        return {MODEL: model_state, OPTIMIZER: optim_state}
 
-        opts = StateDictOptions(full_state_dict=True, broadcast_from_rank0=self.world > 1)
-        # Two calls, not set_state_dict: given an empty model state (ranks > 0 receive theirs from
-        # rank 0), set_state_dict takes it for "optimizer only" there and the ranks fall out of step.
-        set_model_state_dict(module, model_state, options=opts)
-        set_optimizer_state_dict(module, optimizer, optim_state, options=opts)
+    def load_train_state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Set the training's state from `state` (`train_state`'s shape, filled from a checkpoint
+        written at any rank count). Every rank must call it."""
+        from torch.distributed.checkpoint.state_dict import set_state_dict
+
+        from learner.checkpoint import MODEL, OPTIMIZER
+
+        model_state = dict(state[MODEL])
+        for alias, name in tied_names(module).items():  # the tied weight is one tensor: set under both names
+            model_state[alias] = model_state[name]
+        set_state_dict(module, optimizer, model_state_dict=model_state, optim_state_dict=state[OPTIMIZER])
 
     def close(self) -> None:
         pass
@@ -164,6 +154,9 @@ class _Distributed(Single):
         self.is_main = self.rank == 0
         # Control messages (bytes) on the CPU, whatever the device.
         self.control = dist.new_group(backend="gloo") if device.type != "cpu" else dist.group.WORLD
+        # A checkpoint written in the background runs its collectives from a thread while training
+        # runs its own: a group of its own (gloo: the state is staged on the CPU), never the training's.
+        self.checkpoint_group = dist.new_group(backend="gloo")
         log.info("rank %d of %d on %s (%s)", self.rank, self.world, device, self.backends[device.type])
 
     def checked(self, t: torch.Tensor) -> torch.Tensor:
@@ -257,18 +250,6 @@ class FSDP2(_Distributed):
             yield
         finally:
             module.set_requires_gradient_sync(True)
-
-
-def _local_tensors(module: torch.nn.Module, optimizer: torch.optim.Optimizer | None) -> Iterator[torch.Tensor]:
-    """The tensors this rank trains with: the module's state and the optimizer's, each rank's
-    local piece of a sharded one."""
-    from torch.distributed.tensor import DTensor
-
-    tensors = list(module.state_dict(keep_vars=True).values())
-    if optimizer is not None:
-        tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    for t in tensors:
-        yield t.to_local() if isinstance(t, DTensor) else t
 
 
 def tied_names(module: torch.nn.Module) -> dict[str, str]:

@@ -17,6 +17,8 @@ import collections
 import copy
 import logging
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
+from pathlib import Path
 
 import torch
 from safetensors.torch import save as save_safetensors
@@ -36,6 +38,7 @@ from learner.algorithms import (
     vtrace,
 )
 from learner.batch import Batch, MicroBatch, plan
+from learner.checkpoint import load_shards, save_shards
 from learner.distributed import Single, resolve_device
 from learner.scoring import PolicyScorer
 
@@ -94,6 +97,7 @@ class Trainer:
                                    cfg.dual_clip)
         self.timer = Timer()
         self.skipped_nonfinite = 0  # optimizer steps skipped for a non-finite loss or gradient
+        self.copying: Future | None = None  # a checkpoint's copy of the state, taken in the background
 
     def _autocast(self):
         return autocast(self.device, self.cfg.precision)
@@ -218,6 +222,9 @@ class Trainer:
             # Bad numbers never reach the weights: a non-finite loss or gradient on any rank skips the update.
             [bad] = self.parallel.sum([float(not torch.isfinite(stats.get("loss", torch.zeros(()))))])
             finite = bool(torch.isfinite(grad_norm)) and bad == 0
+        with self.timer("checkpoint_copy"):
+            self._settled()  # a checkpoint's copy must hold the state before this update changes it
+        with self.timer("optimizer"):
             if finite:
                 self.optimizer.step()
             else:
@@ -265,13 +272,28 @@ class Trainer:
             cur, _, values = self.scorer(tokens, torch.ones_like(tokens), rows, torch.ones(1, device=self.device))
         return (cur.sum() + (values.sum() if values is not None else 0.0)) * 0.0
 
-    def full_state(self) -> tuple[dict, dict]:
-        """Model and optimizer state, unsharded, on CPU, on rank 0 (every rank must call it)."""
-        return self.parallel.full_state(self.scorer, self.optimizer)
+    def save_checkpoint(self, path: Path, background: bool) -> Future:
+        """Write this rank's shards of the model and optimizer state into checkpoint directory
+        `path` (`learner.checkpoint.save_shards`; every rank must call it). Returns the future of
+        the write; in the background the state is copied beside the next step, whose optimizer
+        step waits for the copy (learner/time/checkpoint_copy_s)."""
+        self._settled()
+        self.copying, written = save_shards(self.parallel.train_state(self.scorer, self.optimizer), path,
+                                            self.parallel.checkpoint_group, background)
+        return written
 
-    def load_state(self, model_state: dict, optim_state: dict) -> None:
-        """The inverse of full_state (the states are read on rank 0; every rank must call it)."""
-        self.parallel.load_full_state(self.scorer, self.optimizer, model_state, optim_state)
+    def _settled(self) -> None:
+        copying, self.copying = self.copying, None
+        if copying is not None:
+            copying.result()
+
+    def load_checkpoint(self, path: Path) -> None:
+        """The model and optimizer state of checkpoint `path`, written at any rank count (every
+        rank must call it)."""
+        self._settled()
+        state = self.parallel.train_state(self.scorer, self.optimizer)
+        load_shards(state, path, self.parallel.checkpoint_group)
+        self.parallel.load_train_state(self.scorer, self.optimizer, state)
 
     def _policy(self, dtype: torch.dtype | None) -> Iterator[tuple[str, torch.Tensor | None]]:
         """The policy's tensors as the Hugging Face checkpoint names them, one at a time

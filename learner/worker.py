@@ -23,7 +23,7 @@ import resource
 import signal
 import time
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from pathlib import Path
 
 import msgpack
@@ -40,7 +40,7 @@ from common.weight_sync import Packed
 from learner.batch import Batch, collate
 from learner.bridge import BrokerBridge, Delivery
 from learner.broadcast import BroadcastSender
-from learner.checkpoint import LearnerState, RecentIds, latest_checkpoint, read_checkpoint, save_checkpoint
+from learner.checkpoint import LearnerState, RecentIds, begin, finish, latest_checkpoint, read_state
 from learner.distributed import Single, setup
 from learner.trainer import REFERENCE_DTYPE, Trainer
 
@@ -59,8 +59,9 @@ class Learner:
         self.checkpoint_dir = Path(cfg.run.run_dir) / "checkpoints"
         self.parallel: Single | None = None
         self.trainer: Trainer | None = None
-        self.saving: tuple[Future, list[Delivery], int] | None = None  # a checkpoint being written, its groups
-        self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self.saving: tuple[Future, Path, LearnerState, list[Delivery]] | None = None  # rank 0: a checkpoint
+        # being written (every rank's shards done when the future is), its directory, state and groups
+        self.writing: Future | None = None  # every rank: its own shards of the newest checkpoint being written
         self.checkpoint_s = 0.0  # time the last checkpoint held the training loop
         self.sender: BroadcastSender | None = None  # weights.transport = "broadcast": rank 0's sender
         self.ops = {"restore": self._op_restore, "train": self._op_train, "weights": self._op_weights,
@@ -81,15 +82,15 @@ class Learner:
         while True:
             msg = msgpack.unpackb(self.parallel.broadcast_bytes(None), raw=False)
             if msg["op"] == "stop":
+                self._written()
                 return int(msg["payload"])
             self.ops[msg["op"]](msg["payload"])
 
     def _op_restore(self, path: str | None) -> LearnerState | None:
         if path is None:
             return None
-        state, model_state, optim_state = read_checkpoint(Path(path)) if self.parallel.is_main else (None, {}, {})
-        self.trainer.load_state(model_state, optim_state)
-        return state
+        self.trainer.load_checkpoint(Path(path))
+        return read_state(Path(path)) if self.parallel.is_main else None
 
     def _op_train(self, payload: dict) -> tuple[dict, Batch]:
         """payload: the groups' messages and the learner's version (rank 0 knows it)."""
@@ -112,8 +113,18 @@ class Learner:
         backend = self.cfg.weights.backend
         return backend if backend != "auto" else "nccl" if self.parallel.device.type == "cuda" else "gloo"
 
-    def _op_checkpoint(self, _=None) -> tuple[dict, dict]:
-        return self.trainer.full_state()
+    def _op_checkpoint(self, payload: dict) -> Future:
+        """payload: the directory and whether to write in the background. One checkpoint in flight:
+        this rank's part of the previous one is written first (rank 0 has waited for it already)."""
+        self._written()
+        self.writing = self.trainer.save_checkpoint(Path(payload["path"]), payload["background"])
+        return self.writing
+
+    def _written(self) -> None:
+        """Wait for this rank's part of the checkpoint being written, if one is."""
+        writing, self.writing = self.writing, None
+        if writing is not None:
+            writing.result()  # a failed write fails the learner: its groups stay pending, nothing is lost
 
     def _op_final(self, _=None) -> Path:
         """The trained weights with the tokenizer, as a Hugging Face model directory."""
@@ -177,16 +188,15 @@ class Learner:
         bridge.call(publish, "publish weights")
 
     def _commit(self, bridge: BrokerBridge, background: bool) -> None:
-        """Checkpoint what was trained on; acknowledge its groups once the file is durable (now,
-        or when the background write ends: `_acknowledge_saved`)."""
+        """Checkpoint what was trained on; acknowledge its groups once the checkpoint is durable
+        (now, or when the background write ends: `_acknowledge_saved`)."""
         t0 = time.perf_counter()
         self._acknowledge_saved(bridge, wait=True)  # at most one checkpoint in flight
         self.state.trained_ids = self.seen.to_list()
-        model_state, optim_state = self._all("checkpoint")
         state, deliveries, self.uncommitted = copy.deepcopy(self.state), self.uncommitted, []
-        future = self.writer.submit(save_checkpoint, self.checkpoint_dir, state, model_state, optim_state,
-                                    self.cfg.learner.keep_checkpoints)
-        self.saving = (future, deliveries, state.groups_trained)
+        path = begin(self.checkpoint_dir, state.step)
+        future = self._all("checkpoint", {"path": str(path), "background": background})
+        self.saving = (future, path, state, deliveries)
         if not background:
             self._acknowledge_saved(bridge, wait=True)
         self.checkpoint_s = time.perf_counter() - t0
@@ -194,12 +204,14 @@ class Learner:
     def _acknowledge_saved(self, bridge: BrokerBridge, wait: bool) -> None:
         if self.saving is None or not (wait or self.saving[0].done()):
             return
-        (future, deliveries, committed), self.saving = self.saving, None
-        future.result()  # a failed write fails the learner: its groups stay pending, nothing is lost
+        (_, path, state, deliveries), self.saving = self.saving, None
+        self._written()  # rank 0's future: every rank's shards and the metadata are written
+        finish(path, state, self.cfg.learner.keep_checkpoints)
         bridge.ack(deliveries)
         keys = bridge.keys
         # For the run's accounting: trained and acknowledged (no longer in a stream).
-        bridge.call(lambda: bridge.client.hset(keys.learner_state, "groups_committed", committed), "learner state")
+        bridge.call(lambda: bridge.client.hset(keys.learner_state, "groups_committed", state.groups_trained),
+                    "learner state")
 
     def run(self) -> int:
         """Train to learner.steps (exit code 0) or until a signal (128 + its number)."""
@@ -216,7 +228,6 @@ class Learner:
         try:
             return self._lead() if self.parallel.is_main else self._follow()
         finally:
-            self.writer.shutdown(wait=True)
             if self.sender is not None:
                 self.sender.close()
             self.parallel.close()

@@ -116,7 +116,7 @@ def test_ctrl_c_stops_every_process_and_two_ranks_resume_on_one(tmp_path):
                           capture_output=True, text=True, timeout=patience(40))
     assert done.returncode == 0, done.stdout[-3000:]
     # The stop committed its last step; one rank read the checkpoint that two ranks wrote.
-    assert f"step-{stopped_at:08d}.pt: step {stopped_at}," in (run_dir / "logs" / "learner.log").read_text()
+    assert f"step-{stopped_at:08d}: step {stopped_at}," in (run_dir / "logs" / "learner.log").read_text()
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps[-2:] == [stopped_at + 1, stopped_at + 2], steps  # went on from the 2-rank checkpoint
     files = sorted(shared.glob("v*.safetensors"))

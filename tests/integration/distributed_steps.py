@@ -1,6 +1,7 @@
 """Run by tests/integration/test_distributed.py, alone or under torchrun: train the learner's
 Trainer on fixed batches for steps [--first, --last], starting from a checkpoint or from the
-model, and write the full state after the last step as a checkpoint."""
+model, and write a checkpoint after the last step (in the background, as the learner does,
+while the weights are gathered for publishing on the training's own group)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from common.config import LearnerConfig
 from learner.batch import collate
-from learner.checkpoint import LearnerState, read_checkpoint, save_checkpoint
+from learner.checkpoint import LearnerState, finish, read_model
 from learner.distributed import setup
 from learner.trainer import PREFIX, REFERENCE_DTYPE, Trainer
 from tests.groups import varied_group
@@ -31,7 +32,7 @@ def main() -> None:
     p.add_argument("--parallel", default="ddp")
     p.add_argument("--first", type=int, default=1)
     p.add_argument("--last", type=int, required=True)
-    p.add_argument("--resume", help="a checkpoint file to start from")
+    p.add_argument("--resume", help="a checkpoint directory to start from")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--kl", type=float, default=0.0, help="learner.kl_coef: a frozen reference, loaded as the worker does")
     p.add_argument("--precision", default="fp32")
@@ -45,24 +46,25 @@ def main() -> None:
         kinds = {(type(p).__name__, str(p.dtype), p.requires_grad) for p in trainer.reference.parameters()}
         print(f"rank {parallel.rank} reference parameters {sorted(kinds)}", flush=True)
     if args.resume:
-        _, model_state, optim_state = read_checkpoint(Path(args.resume)) if parallel.is_main else (None, {}, {})
-        trainer.load_state(model_state, optim_state)
+        trainer.load_checkpoint(Path(args.resume))
     all_batches = batches(args.last)
     for step in range(args.first, args.last + 1):
         metrics = trainer.train_step(all_batches[step - 1])
         if parallel.is_main:
             print(f"step {step} microbatches {metrics['learner/microbatches']:.0f} clipped "
                   f"{metrics['learner/frac_clipped']:.3f} loss {metrics['learner/loss/policy']:.5f}", flush=True)
-    model_state, optim_state = trainer.full_state()
+    # Every rank creates the directory (a rank may reach the save before rank 0 does), empty on a fresh --out.
+    path = Path(args.out) / f"step-{args.last:08d}.tmp"
+    path.mkdir(parents=True, exist_ok=True)
+    written = trainer.save_checkpoint(path, background=True)
     published = trainer.hf_state(torch.bfloat16)  # gathered a tensor at a time, as publishing does
+    written.result()  # this rank's shards; on rank 0 every rank's, and the metadata
     if parallel.is_main:
-        tied = trainer.model.config.tie_word_embeddings  # a tied output layer is published once
-        expected = {k.removeprefix(PREFIX): v for k, v in model_state.items()
-                    if k.startswith(PREFIX) and not (tied and k == PREFIX + "lm_head.weight")}
-        assert published.keys() == expected.keys(), (published.keys() ^ expected.keys())
-        assert all(torch.equal(published[k], v.to(torch.bfloat16)) for k, v in expected.items())
-        print(f"published {len(published)} tensors, equal to the full state's", flush=True)
-        save_checkpoint(args.out, LearnerState(step=args.last, version=args.last), model_state, optim_state, keep=1)
+        saved = {k.removeprefix(PREFIX): v for k, v in read_model(finish(path, LearnerState(args.last, args.last),
+                                                                          keep=1), PREFIX).items()}
+        assert published.keys() == saved.keys(), (published.keys() ^ saved.keys())  # a tied layer: once in both
+        assert all(torch.equal(published[k], v.to(torch.bfloat16)) for k, v in saved.items())
+        print(f"published {len(published)} tensors, equal to the checkpoint's", flush=True)
     # Every rank leaves together: a rank tearing its gloo pairs down while rank 0 still writes aborted
     # once at exit ("terminate called without an active exception", exit -6) after both steps had run.
     if parallel.world > 1:

@@ -15,7 +15,7 @@ from safetensors.torch import load_file
 from common.config import LearnerConfig, dump_toml, load_config
 from common.models import build_char_tokenizer, load_causal_lm
 from learner.batch import collate
-from learner.checkpoint import LearnerState, read_checkpoint, save_checkpoint
+from learner.checkpoint import LearnerState, begin, finish, read_model, save_shards
 from learner.scoring import plain_logprobs
 from learner.trainer import PREFIX, Trainer
 from tests.groups import synthetic_group
@@ -30,17 +30,23 @@ def omrl_export(*args: str) -> subprocess.CompletedProcess:
                           timeout=300)
 
 
-def make_run(run_dir, model_path: str, steps: int = 1, drop: tuple[str, ...] = ()) -> Trainer:
-    """A run dir as `omrl run` leaves it: config.toml and one checkpoint per step, keys `drop` left out."""
-    trainer = Trainer(load_causal_lm(model_path, "float32"), LearnerConfig())
+def make_run(run_dir, model_path: str, steps: int = 1, head: bool = False, algorithm: str = "grpo") -> Trainer:
+    """A run dir as `omrl run` leaves it: config.toml and one checkpoint per step, written as the
+    learner writes them (`head`: a tied output layer under its own name too, as learners before
+    sharded checkpoints wrote it)."""
+    trainer = Trainer(load_causal_lm(model_path, "float32"), LearnerConfig(algorithm=algorithm))
     rng = np.random.default_rng(0)
     for step in range(1, steps + 1):
-        metrics = trainer.train_step(collate([synthetic_group(rng) for _ in range(2)]))
+        metrics = trainer.train_step(collate([synthetic_group(rng) for _ in range(2)], algorithm))
         assert metrics["learner/updates"] == 1 and metrics["learner/skipped_nonfinite"] == 0
-        model_state, optim_state = trainer.full_state()
-        model_state = {k: v for k, v in model_state.items() if k not in drop}
-        save_checkpoint(run_dir / "checkpoints", LearnerState(step=step, version=step), model_state, optim_state,
-                        keep=2)
+        path = begin(run_dir / "checkpoints", step)
+        if head:
+            state = trainer.parallel.train_state(trainer.scorer, trainer.optimizer)
+            state["model"][PREFIX + "lm_head.weight"] = state["model"][PREFIX + "model.embed_tokens.weight"]
+            save_shards(state, path, group=None, background=False)
+        else:
+            trainer.save_checkpoint(path, background=False).result()
+        finish(path, LearnerState(step=step, version=step), keep=2)
     cfg = load_config(None, [f"model.path={json.dumps(model_path)}", f"run.run_dir={json.dumps(str(run_dir))}"],
                       environ={})
     (run_dir / "config.toml").write_text(dump_toml(cfg))
@@ -94,7 +100,7 @@ def test_export_holds_the_trained_weights_and_the_tokenizer(exported, tiny_model
     base = load_file(f"{tiny_model}/model.safetensors")
     assert any(not torch.equal(base[k], saved[k]) for k in base)  # training moved them
     assert json.loads((out / "omrl_export.json").read_text()) == {
-        "run_dir": str(run_dir.resolve()), "checkpoint": "step-00000002.pt", "step": 2, "weight_version": 2,
+        "run_dir": str(run_dir.resolve()), "checkpoint": "step-00000002", "step": 2, "weight_version": 2,
         "groups_trained": 0, "base_model": tiny_model}
     from transformers import AutoTokenizer
 
@@ -119,11 +125,20 @@ def test_step_picks_an_older_checkpoint(exported, tmp_path):
     _, run_dir, _, _ = exported
     done = omrl_export(str(run_dir), str(tmp_path / "step1"), "--step", "1")
     assert done.returncode == 0, done.stderr
-    _, model_state, _ = read_checkpoint(run_dir / "checkpoints" / "step-00000001.pt")
+    model_state = read_model(run_dir / "checkpoints" / "step-00000001", PREFIX)
     saved = load_file(tmp_path / "step1" / "model.safetensors")
     assert saved.keys() == {k[len(PREFIX):] for k in model_state}
     assert all(torch.equal(saved[k[len(PREFIX):]], v) for k, v in model_state.items())
     assert json.loads((tmp_path / "step1" / "omrl_export.json").read_text())["step"] == 1
+
+
+def test_a_ppo_run_exports_its_policy_and_not_its_critic(tiny_model, tmp_path):
+    trainer = make_run(tmp_path / "run", tiny_model, algorithm="ppo")
+    assert "value_head.weight" in read_model(tmp_path / "run" / "checkpoints" / "step-00000001")
+    done = omrl_export(str(tmp_path / "run"), str(tmp_path / "out"))
+    assert done.returncode == 0, done.stderr
+    saved, policy = load_file(tmp_path / "out" / "model.safetensors"), trainer.hf_state()
+    assert saved.keys() == policy.keys() and all(torch.equal(saved[k], v) for k, v in policy.items())
 
 
 @pytest.mark.vllm
@@ -172,9 +187,9 @@ def test_tied_embeddings_stay_tied(tied_model, tmp_path, head_in_state):
     from transformers import AutoModelForCausalLM
 
     head = PREFIX + "lm_head.weight"
-    trainer = make_run(tmp_path / "run", tied_model, drop=() if head_in_state else (head,))
-    _, model_state, _ = read_checkpoint(tmp_path / "run" / "checkpoints" / "step-00000001.pt")
-    assert (head in model_state) == head_in_state  # the learner's full state holds it under both names
+    trainer = make_run(tmp_path / "run", tied_model, head=head_in_state)
+    model_state = read_model(tmp_path / "run" / "checkpoints" / "step-00000001", PREFIX)
+    assert (head in model_state) == head_in_state  # the learner saves it once
     done = omrl_export(str(tmp_path / "run"), str(tmp_path / "out"))
     assert done.returncode == 0, done.stderr
     assert "lm_head.weight" not in load_file(tmp_path / "out" / "model.safetensors")

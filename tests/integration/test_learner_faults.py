@@ -3,6 +3,7 @@
 garbage in the stream."""
 
 import asyncio
+import dataclasses
 import json
 import random
 import signal
@@ -15,7 +16,6 @@ import uuid
 import msgpack
 import numpy as np
 import pytest
-import torch
 
 from broker.connection import connect
 from broker.embedded import EmbeddedRedis, free_port
@@ -130,8 +130,9 @@ class Rig:
         return self.query(read)
 
     def checkpoint_state(self) -> dict:
-        ckpts = sorted((self.run_dir / "checkpoints").glob("step-*.pt"))
-        return torch.load(ckpts[-1], weights_only=True)["state"]
+        from learner.checkpoint import latest_checkpoint, read_state
+
+        return dataclasses.asdict(read_state(latest_checkpoint(self.run_dir / "checkpoints")))
 
     def check_exactly_once(self) -> None:
         check_each_group_trained_once(self)

@@ -11,6 +11,7 @@ from common.messages import decode_group, encode_group
 from common.models import load_causal_lm
 from learner.algorithms import discounted_returns, gigpo_step_advantages
 from learner.batch import collate, turn_spans
+from learner.checkpoint import begin
 from tests.groups import multi_turn_group, multi_turn_sample, varied_group
 
 EPISODES = [([0.0, 0.0, 1.0], ["a", "b", "c"]), ([0.0, 1.0], ["a", "c"]), ([0.0, 0.0, 0.0, 0.0], ["a", "b", "d", "b"])]
@@ -64,7 +65,7 @@ def trainer_for(tiny_model, **learner):
 
 
 @pytest.mark.parametrize("targets", ["gae", "auto"])
-def test_ppo_value_loss_falls_and_the_head_is_checkpointed_not_published(tiny_model, targets):
+def test_ppo_value_loss_falls_and_the_head_is_checkpointed_not_published(tiny_model, targets, tmp_path):
     rng = np.random.default_rng(3)
     trainer = trainer_for(tiny_model, algorithm="ppo", critic_targets=targets, critic_lr=1e-2, gamma=0.9, gae_lambda=0.95)
     groups = [multi_turn_group(rng, EPISODES, version=0) for _ in range(2)]
@@ -72,11 +73,13 @@ def test_ppo_value_loss_falls_and_the_head_is_checkpointed_not_published(tiny_mo
     losses = [m["learner/loss/value"] for m in steps]
     assert steps[0]["learner/vtrace_frac"] == (1.0 if targets == "auto" else 0.0)  # auto: V-trace on stale samples
     assert max(losses[-2:]) < 0.5 * losses[0], losses
-    state, _ = trainer.full_state()
+    state = trainer.parallel.train_state(trainer.scorer, trainer.optimizer)["model"]
     assert {"value_head.weight", "value_head.bias"} <= set(state)
     assert not any("value_head" in k for k in trainer.hf_state())
+    path = begin(tmp_path, 8)
+    trainer.save_checkpoint(path, background=False).result()
     other = trainer_for(tiny_model, algorithm="ppo")
-    other.load_state(*trainer.full_state())
+    other.load_checkpoint(path)
     torch.testing.assert_close(other.scorer.value_head.weight, trainer.scorer.value_head.weight)
 
 

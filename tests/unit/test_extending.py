@@ -184,8 +184,15 @@ def real_model(path, chat: bool, **config):
 
 def test_defaults_follow_the_model(tmp_path, tiny_model):
     chat = load_config(None, [f"model.path={json.dumps(real_model(tmp_path / 'chat', True))}"], environ={})
-    assert (chat.actor.max_tokens, chat.actor.max_seq_len, chat.learner.lr, chat.learner.entropy_coef) == \
-        tuple(REAL_MODEL.values())
+    assert (chat.actor.max_tokens, chat.actor.max_seq_len, chat.learner.lr, chat.learner.entropy_coef,
+            chat.learner.checkpoint_every) == tuple(REAL_MODEL.values())
+    # A checkpoint every 10 steps: the streams hold the 2 x 10 x groups_per_step groups that can wait for one.
+    assert chat.redis.max_stream_len == 2 * 10 * chat.learner.groups_per_step
+    fewer = load_config(None, [f"model.path={json.dumps(str(tmp_path / 'chat'))}", "learner.groups_per_step=3",
+                               "learner.checkpoint_every=4", "redis.shards=2"], environ={})
+    assert fewer.redis.max_stream_len == 16  # 2 x 4 x 3 over 2 shards is 12: the default 16 holds them
+    assert load_config(None, [f"model.path={json.dumps(str(tmp_path / 'chat'))}", "redis.max_stream_len=500"],
+                       environ={}).redis.max_stream_len == 500
     assert chat.actor.stop == [] and chat.model.dtype == "bfloat16"  # stops at its end of turn
     # A base model (no chat template): the template's stop; a short context caps max_seq_len.
     base = load_config(None, [f"model.path={json.dumps(real_model(tmp_path / 'base', False, max_position_embeddings=2048))}",
@@ -201,3 +208,4 @@ def test_defaults_follow_the_model(tmp_path, tiny_model):
         tiny = load_config(None, overrides, environ={})
         assert (tiny.actor.max_tokens, tiny.actor.stop, tiny.learner.lr, tiny.learner.entropy_coef) == \
             (4, ["\n"], 1e-3, 0.01)
+        assert (tiny.learner.checkpoint_every, tiny.redis.max_stream_len) == (1, 16)
