@@ -27,15 +27,31 @@ TINY_CHAT_TEMPLATE = (
 )
 
 
-def build_char_tokenizer():
+def build_char_tokenizer(size: int | None = None):
     """A character-level tokenizer of the Qwen2 kind: a byte-level BPE whose vocabulary is
     one symbol per character of TINY_CHARS and which has no merges, so every character is
-    one token. Being a real Qwen2Tokenizer, it loads the same way in transformers and vLLM."""
+    one token. Being a real Qwen2Tokenizer, it loads the same way in transformers and vLLM.
+
+    `size`: the vocabulary filled up to `size` tokens (the end-of-text one included) with
+    tokens of two and three letters or digits, which encoding never produces (no merges) and
+    decoding reads as their text: a model of a real vocabulary's size (151,936 in Qwen2.5)
+    has a token for every id it can sample."""
+    import itertools
+
     from transformers import Qwen2Tokenizer
     from transformers.convert_slow_tokenizer import bytes_to_unicode
 
     byte_to_symbol = bytes_to_unicode()
     vocab = {byte_to_symbol[ord(ch)]: i for i, ch in enumerate(TINY_CHARS)}
+    if size is not None:
+        symbols = string.ascii_letters + string.digits  # their byte-level symbols are themselves
+        fillers = itertools.chain(itertools.product(symbols, repeat=2), itertools.product(symbols, repeat=3))
+        for token in ("".join(t) for t in fillers):
+            if len(vocab) >= size - 1:
+                break
+            vocab.setdefault(token, len(vocab))
+        if len(vocab) != size - 1:
+            raise ValueError(f"a character tokenizer holds {len(TINY_CHARS) + 1} to {len(vocab) + 1} tokens, not {size}")
     return Qwen2Tokenizer(vocab=vocab, merges=[], unk_token=None, eos_token=TINY_EOS, pad_token=TINY_EOS)
 
 def build_word_tokenizer(texts: Iterable[str], max_words: int = 4096):
@@ -65,9 +81,11 @@ TINY_MAX_POSITIONS = 4096  # the tiny model's context
 
 
 def init_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, heads: int = 2, seed: int = 0,
-                    tie_embeddings: bool = False, tokenizer=None, intermediate: int | None = None) -> Path:
+                    tie_embeddings: bool = False, tokenizer=None, intermediate: int | None = None,
+                    kv_heads: int | None = None) -> Path:
     """Build a small Qwen2-architecture causal LM with random weights and `tokenizer` (default:
-    the character one) with TINY_CHAT_TEMPLATE, and save both to `out_dir` with `save_pretrained`."""
+    the character one) with TINY_CHAT_TEMPLATE, and save both to `out_dir` with `save_pretrained`.
+    The model's vocabulary is the tokenizer's; `kv_heads` key-value heads (default: `heads`)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -76,7 +94,7 @@ def init_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, hea
     tokenizer.chat_template = TINY_CHAT_TEMPLATE
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,
         max_position_embeddings=TINY_MAX_POSITIONS, tie_word_embeddings=tie_embeddings, rope_theta=10000.0,
         pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id, bos_token_id=None,
         torch_dtype="float32",

@@ -12,6 +12,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--intermediate", type=int, help="the MLP's width (default: 2 x hidden)")
+    p.add_argument("--kv-heads", type=int, help="key-value heads (default: --heads)")
+    p.add_argument("--vocab", type=int, help="the char tokenizer filled up to this many tokens, and the model's "
+                                             "vocabulary with it (151936: Qwen2.5's)")
     p.add_argument("--tie-embeddings", action="store_true", help="one matrix for the input embedding and output layer")
     p.add_argument("--tokenizer", choices=("char", "word"), default="char",
                    help="char: one token per character; word: one token per word of --env's text")
@@ -25,6 +28,13 @@ def main(args: argparse.Namespace) -> int:
     from common.models import build_word_tokenizer, init_tiny_model
 
     tokenizer = None
+    if args.vocab is not None:
+        if args.tokenizer != "char":
+            print("error: --vocab fills the char tokenizer: leave --tokenizer at char", file=sys.stderr)
+            return 2
+        from common.models import build_char_tokenizer
+
+        tokenizer = build_char_tokenizer(args.vocab)
     if args.tokenizer == "word":
         if not args.env:
             print("error: --tokenizer word learns its words from an env's text: pass --env NAME", file=sys.stderr)
@@ -35,5 +45,6 @@ def main(args: argparse.Namespace) -> int:
         train, _test = task_split(EnvConfig(name=args.env, tasks=args.tasks))
         tokenizer = build_word_tokenizer(env_texts(args.env, train, episodes=args.env_episodes))
     print(init_tiny_model(args.dir, hidden=args.hidden, layers=args.layers, heads=args.heads,
-                          tie_embeddings=args.tie_embeddings, tokenizer=tokenizer, intermediate=args.intermediate))
+                          tie_embeddings=args.tie_embeddings, tokenizer=tokenizer, intermediate=args.intermediate,
+                          kv_heads=args.kv_heads))
     return 0

@@ -254,3 +254,27 @@ def test_turns_carry_the_state_they_acted_in(tiny_tokenizer):
     want = [key(first), key(cells[0]), key(cells[0]), key(cells[1])][:sample.num_turns]
     assert sample.num_turns >= 3 and sample.turn_states == want and sample.invalid_actions == 1
     assert state_key(StepResult("obs", 0.0, False, {"state": "2,3"})) == key("2,3")
+
+
+def test_a_char_tokenizer_filled_to_a_real_vocabulary_encodes_as_before_and_decodes_every_id(tmp_path):
+    """`omrl init-model --vocab 151936`: a model of Qwen2.5's vocabulary size whose tokenizer has a
+    token for every id a random model samples (vLLM decodes what it samples)."""
+    import json
+    import subprocess
+    import sys
+
+    from transformers import AutoTokenizer
+
+    small, full = build_char_tokenizer(), build_char_tokenizer(151_936)
+    assert len(full) == 151_936
+    text = "Thought: go to the red ball 42.\nAction: go"
+    assert full.encode(text) == small.encode(text) and full.decode(full.encode(text)) == text
+    assert all(full.decode([i]) for i in range(0, 151_936, 997))
+    assert full.decode([151_934]) == "".join(full.convert_ids_to_tokens([151_934]))  # a filler: its letters
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "init-model", str(tmp_path / "m"), "--hidden", "32",
+                           "--layers", "1", "--heads", "4", "--kv-heads", "2", "--vocab", "5000", "--tie-embeddings"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert (config["vocab_size"], config["num_key_value_heads"], config["num_attention_heads"]) == (5000, 2, 4)
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "m")) == 5000
