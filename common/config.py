@@ -421,12 +421,7 @@ class Config(Section):
     @model_validator(mode="after")
     def _check(self) -> Config:
         lcfg = self.learner
-        # Unacknowledged: the steps since the last checkpoint, the batch being read and, when checkpoints
-        # are written in the background, the steps of the one being written.
-        ce, B = lcfg.checkpoint_every, lcfg.groups_per_step
-        pending, formula = ((2 * ce * B, "2 x learner.checkpoint_every x learner.groups_per_step")
-                            if lcfg.checkpoint_async else
-                            ((ce + 1) * B, "(learner.checkpoint_every + 1) x learner.groups_per_step"))
+        pending, formula = unacknowledged(lcfg.checkpoint_every, lcfg.groups_per_step, lcfg.checkpoint_async)
         if self.redis.max_stream_len * self.redis.shards < pending:
             raise ValueError(
                 f"redis.max_stream_len x redis.shards must hold the {pending} groups that can wait for a checkpoint "
@@ -588,11 +583,12 @@ def model_defaults(tree: dict[str, Any]) -> dict[str, Any]:
     learner, redis = (tree.get(name) if isinstance(tree.get(name), dict) else {} for name in ("learner", "redis"))
     every = learner.get("checkpoint_every", REAL_MODEL["learner.checkpoint_every"])
     per_step = learner.get("groups_per_step", LearnerConfig.model_fields["groups_per_step"].default)
+    background = learner.get("checkpoint_async", LearnerConfig.model_fields["checkpoint_async"].default)
     shards = redis.get("shards", RedisConfig.model_fields["shards"].default)
     if isinstance(every, int) and isinstance(per_step, int) and isinstance(shards, int) and shards > 0:
-        # Room for the groups a background checkpoint can hold unacknowledged (Config._check's rule).
-        out["redis.max_stream_len"] = max(RedisConfig.model_fields["max_stream_len"].default,
-                                          -(-2 * every * per_step // shards))
+        # Room for the groups that can wait for a checkpoint (Config._check's rule).
+        pending, _ = unacknowledged(every, per_step, bool(background))
+        out["redis.max_stream_len"] = max(RedisConfig.model_fields["max_stream_len"].default, -(-pending // shards))
     if isinstance(hf.get("max_position_embeddings"), int):
         out["actor.max_seq_len"] = min(REAL_MODEL["actor.max_seq_len"], hf["max_position_embeddings"])
     if hf.get("torch_dtype") in ("bfloat16", "float16"):
@@ -600,6 +596,15 @@ def model_defaults(tree: dict[str, Any]) -> dict[str, Any]:
     if actor.get("chat_template", "auto") == "auto" and _has_chat_template(path):
         out["actor.stop"] = []
     return out
+
+
+def unacknowledged(checkpoint_every: int, groups_per_step: int, background: bool) -> tuple[int, str]:
+    """The most groups the learner holds unacknowledged, and the formula in words: the steps since
+    the last checkpoint, the batch being read and, when checkpoints are written in the background,
+    the steps of the one being written."""
+    if background:
+        return 2 * checkpoint_every * groups_per_step, "2 x learner.checkpoint_every x learner.groups_per_step"
+    return (checkpoint_every + 1) * groups_per_step, "(learner.checkpoint_every + 1) x learner.groups_per_step"
 
 
 def count_parameters(hf: dict[str, Any]) -> int:
