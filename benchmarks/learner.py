@@ -130,12 +130,16 @@ def _rss() -> int:
 
 class PeakRss:
     """Peak resident memory of this process while open, over what it was on entry: a thread
-    reads /proc/self/statm every 2 ms (torch releases the GIL in its kernels)."""
+    reads /proc/self/statm every 2 ms (torch releases the GIL in its kernels). `trim`: hand
+    glibc's freed heap back first (else what the process kept from before counts as held)."""
+
+    trim = True
 
     def __enter__(self) -> PeakRss:
         gc.collect()
-        with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed heap without it
-            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        if self.trim:
+            with contextlib.suppress(OSError, AttributeError):  # glibc keeps freed heap without it
+                ctypes.CDLL("libc.so.6").malloc_trim(0)
         self.before = self.peak = _rss()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._sample, daemon=True)

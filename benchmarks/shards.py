@@ -26,6 +26,11 @@ step beside the background copy and write took than the steps before and after i
 cadence `omrl run` gives this model (`learner.checkpoint_every`: 10 for a real-size model)
 against that many steps (goal 0.10), and what was left of the write after that step.
 
+The learner returns freed host memory at once (`learner.return_freed_memory`, a fixed glibc
+mmap threshold: `learner/host_memory.py`); a fourth run, steps 1-4 on 2 ranks with glibc's
+default instead, is the baseline for what that saves and what its page faults cost in step
+time. Nothing is trimmed between phases: each rank's memory as the learner's would be.
+
 Each rank samples its own resident set (`PeakRss`: /proc/self/statm every 2 ms) over each
 phase, and reads the kernel's high-water mark (VmHWM) as a check; it writes its figures, and
 this process collects them. Rows, per rank: the peak RSS at start (process group, sharded
@@ -112,7 +117,9 @@ def _reset_hwm() -> bool:
 class Phase(PeakRss):
     """PeakRss over one named phase, its figures put in `figures[name]`: the RSS on entry, the
     sampled peak, the anonymous and file-backed RSS on exit, the kernel's high-water mark since
-    its last reset, and the seconds."""
+    its last reset, and the seconds. No trim on entry: the rank's memory as the learner runs."""
+
+    trim = False
 
     def __init__(self, figures: dict[str, dict], name: str):
         self.figures, self.name = figures, name
@@ -145,6 +152,7 @@ def rank_main() -> None:
     p.add_argument("--last", type=int, required=True)
     p.add_argument("--save", type=int, help="checkpoint after this step, into OUT/TAG-checkpoint")
     p.add_argument("--resume", help="a checkpoint directory to start from")
+    p.add_argument("--keep-freed", action="store_true", help="learner.return_freed_memory = false (glibc's default)")
     args = p.parse_args()
 
     import torch
@@ -153,15 +161,18 @@ def rank_main() -> None:
     from learner.batch import collate
     from learner.checkpoint import LearnerState, finish
     from learner.distributed import setup
+    from learner.host_memory import return_freed_memory
     from learner.trainer import REFERENCE_DTYPE, Trainer
 
-    cfg = LearnerConfig(parallel="fsdp2", device="cpu")
+    cfg = LearnerConfig(parallel="fsdp2", device="cpu", return_freed_memory=not args.keep_freed)
     phases: dict[str, dict] = {}
-    # As Learner.run: process group, seed, threads, the reference (if kl_coef > 0), the model, the Trainer.
+    # As Learner.run: process group, seed, threads, the allocator, the reference (if kl_coef > 0), the
+    # model, the Trainer.
     with Phase(phases, "setup"):
         parallel = setup(cfg.parallel, cfg.device, cfg.precision)
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cfg.threads)
+        return_freed_memory(cfg.return_freed_memory)
     with Phase(phases, "load"):
         reference = parallel.load_model(args.model, REFERENCE_DTYPE[cfg.precision], trainable=False) \
             if cfg.kl_coef > 0 else None
@@ -242,6 +253,8 @@ def run(quick: bool, device: str = "cpu") -> dict:
         files = sorted(f.name for f in Path(model_dir).glob("*.safetensors"))
         # The same run on 2 ranks, then on 1 from 2's checkpoint, then on 2 again from 1's.
         ranks = launch(model_dir, out, timeout, "two", RANKS, "--last", "4", "--save", "2")
+        # The baseline for the allocator: the same steps, freed memory kept as glibc keeps it by default.
+        kept = launch(model_dir, out, timeout, "kept", RANKS, "--last", "4", "--keep-freed")
         one = launch(model_dir, out, timeout, "one", 1, "--first", "3", "--last", "3", "--save", "3",
                      "--resume", str(out / "two-checkpoint" / "step-00000002"))[0]
         again = launch(model_dir, out, timeout, "again", RANKS, "--first", "4", "--last", "4",
@@ -254,8 +267,19 @@ def run(quick: bool, device: str = "cpu") -> dict:
                                     f"{BYTES_PER_PARAM} B x {params / 1e6:.1f}M params (one full fp32 params + "
                                     f"grads + AdamW copy; lower is better, goal {GOAL})",
                          "system": float(r[key]), "baseline": float(full), "ratio": spread([r[key] / full])})
+    for r in kept:
+        rows.append({"measure": f"rank {r['rank']} of {RANKS}, freed memory kept (glibc's default, "
+                                f"learner.return_freed_memory = false): peak RSS bytes during the second train_step / "
+                                f"one full copy (info: what returning it saves)",
+                     "system": float(r["step2_peak"]), "baseline": float(full),
+                     "ratio": spread([r["step2_peak"] / full])})
     lead = ranks[0]["phases"]
     step_s = (lead["step2"]["seconds"] + lead["step4"]["seconds"]) / 2  # the steps before and after: none beside them
+    kept_s = (kept[0]["phases"]["step2"]["seconds"] + kept[0]["phases"]["step4"]["seconds"]) / 2
+    rows.append({"measure": "rank 0's step time (mean of steps 2 and 4), freed memory returned at once "
+                            "(learner.return_freed_memory, the default) / kept (glibc's default): the price of the "
+                            "page faults (lower is better, 1 is free)",
+                 "system": step_s, "baseline": kept_s, "ratio": spread([step_s / kept_s])})
     cost = lead["checkpoint"]["seconds"] + max(0.0, lead["step3"]["seconds"] - step_s)
     rows.append({"measure": f"the training loop's cost per checkpoint (rank 0: the call, plus how much longer the step "
                             f"beside the background copy and write took than the mean of the steps before and after "
@@ -278,12 +302,15 @@ def run(quick: bool, device: str = "cpu") -> dict:
                             "holds the whole state, and a checkpoint's copy of its model and AdamW state)",
                  "system": float(one["peak"]), "baseline": float(full), "ratio": spread([one["peak"] / full])})
     result = {"rows": rows, "params": params, "model": spec, "full_copy_bytes": full, "goal": GOAL, "ranks": ranks,
-              "one_rank": one, "again": again, "checkpoint_every": every,
+              "kept": kept, "one_rank": one, "again": again, "checkpoint_every": every,
               "files": files, "batch": {"sequences": G * BATCH.groups, "min_len": BATCH.min_len,
                                         "max_len": BATCH.max_len}, "measured_device": "cpu"}
     for r in ranks:
         print(f"shards: rank {r['rank']}: " + ", ".join(f"{k.removesuffix('_peak')} {r[k] / full:.3f}" for k in PEAKS)
               + f" of one full copy ({full / 2**30:.2f} GiB)", flush=True)
+    print("shards: freed memory kept (glibc's default): second step " + ", ".join(
+        f"rank {r['rank']} {r['step2_peak'] / full:.3f}" for r in kept) + f"; returned at once, the step takes "
+          f"{step_s / kept_s:.3f} of the time", flush=True)
     print(f"shards: a checkpoint cost the loop {cost:.2f} s (the call {lead['checkpoint']['seconds']:.2f} s, the step "
           f"beside it {lead['step3']['seconds']:.1f} s, the others {step_s:.1f} s, its update waited "
           f"{ranks[0]['copy_wait_s']:.2f} s for the copy); {lead['written']['seconds']:.1f} s left to write after it; "

@@ -9,7 +9,7 @@ in a directory every process sees: here a temporary directory on the machine's d
 the learner's side to each actor's vLLM worker, straight into the model).
 
 System, per repetition and transport: the learner's side as learner/worker.py runs it
-(blob, dir: `Trainer.weights_blob()` then `WeightStore.publish`; broadcast:
+(blob, dir: `Trainer.save_weights()` then `WeightStore.publish`; broadcast:
 `Trainer.hf_state()` packed by `common.weight_sync.pack`, handed to a `BroadcastSender`,
 then `WeightStore.announce`), then each actor's receiver as actors/worker.py builds it
 (`receive_weights` with a `BroadcastLink` and the `WeightGate` of actor.update_mode, around a
@@ -148,17 +148,20 @@ class BlobTransport:
     """Safetensors bytes in Redis chunks (WeightStore.publish, as learner/bridge.py builds it)."""
 
     def __init__(self, client, run: str, tmp: str, directory: str | None = None):
-        from broker.weights import WeightStore
+        from broker.weights import STAGING, WeightStore
         from common.config import LearnerConfig, WeightsConfig
 
         self.store = WeightStore(client, _keys(run), keep=LearnerConfig().keep_versions,
                                  chunk_bytes=WeightsConfig().chunk_mb << 20, directory=directory)
+        self.staged = os.path.join(directory or tmp, STAGING)
 
-    def serialise(self, trainer, version: int) -> bytes:
-        return trainer.weights_blob()
+    def serialise(self, trainer, version: int) -> str:
+        os.makedirs(os.path.dirname(self.staged), exist_ok=True)
+        trainer.save_weights(self.staged)  # as learner/worker.py: a file, written as the weights are gathered
+        return self.staged
 
-    async def publish(self, version: int, blob: bytes) -> None:
-        await self.store.publish(version, version, blob)
+    async def publish(self, version: int, staged: str) -> None:
+        await self.store.publish(version, version, staged)
 
     def close(self) -> None:
         pass
@@ -501,7 +504,10 @@ def measure_model(runner: asyncio.Runner, url: str, model: Model, actors: int, r
     lists = _bench_keys(run)
     client = connect(url, blocking=True)  # as learner/bridge.py; used on the runner's loop only
     trainer = Trainer(load_causal_lm(model.path).to(device), LearnerConfig())
-    blob = trainer.weights_blob()
+    sized = os.path.join(log_dir, "version.safetensors")
+    trainer.save_weights(sized)
+    blob = Path(sized).read_bytes()  # the baseline's one value: the same bytes
+    os.unlink(sized)
     model.nbytes = len(blob)
     transports: dict[str, Any] = {}
     receivers = None

@@ -41,6 +41,10 @@ log = logging.getLogger(__name__)
 REDIS_MAX_VALUE = 512 << 20  # Redis's default proto-max-bulk-len: the largest value it accepts
 _INT_FIELDS = ("version", "step", "nbytes", "chunks")
 _HASH_BLOCK = 16 << 20  # bytes hashed at a time
+STAGING = ".publishing.safetensors"
+"""The learner's file of a version before `publish` takes it: in weights.dir (renamed into place,
+same filesystem) or the run directory. One name: a restarted learner overwrites what a crashed
+one left."""
 
 
 class WeightVersionError(RuntimeError):
@@ -64,21 +68,33 @@ class WeightStore:
                 self._max_value = REDIS_MAX_VALUE
         return self._max_value
 
-    async def publish(self, version: int, step: int, blob: bytes) -> dict[str, Any]:
-        """The blob transport: the bytes in Redis chunks, or a file in `directory`; then the record."""
-        record = {"version": version, "step": step, "nbytes": len(blob),
-                  "sha256": await asyncio.to_thread(_sha256, blob)}
+    async def publish(self, version: int, step: int, blob: bytes | str) -> dict[str, Any]:
+        """The blob transport: the bytes in Redis chunks, or a file in `directory`; then the record.
+        `blob`: the bytes, or the path of a file holding them (`STAGING`), which is moved into
+        `directory` or read a chunk at a time into Redis and deleted: then publishing holds one
+        chunk, never the version's bytes."""
+        from_file = isinstance(blob, str)
+        nbytes = await asyncio.to_thread(os.path.getsize, blob) if from_file else len(blob)
+        digest = await asyncio.to_thread(_file_sha256 if from_file else _sha256, blob)
+        record = {"version": version, "step": step, "nbytes": nbytes, "sha256": digest}
         if self.directory:
             path = os.path.join(self.directory, f"v{version}.safetensors")
-            await asyncio.to_thread(_write_atomic, path, blob)
+            if from_file:
+                await asyncio.to_thread(os.makedirs, self.directory, exist_ok=True)
+                await asyncio.to_thread(os.replace, blob, path)
+            else:
+                await asyncio.to_thread(_write_atomic, path, blob)
             record.update(transport="dir", path=path)
         else:
             # A value over proto-max-bulk-len makes the server drop the connection: chunks stay under it.
             size = max(1, min(self.chunk_bytes, await self.max_value() - 1024))
-            view = memoryview(blob)
-            chunks = max(1, -(-len(blob) // size))
-            for i in range(chunks):
-                await self.client.set(self.keys.weights_chunk(version, i), view[i * size:(i + 1) * size])
+            chunks = max(1, -(-nbytes // size))
+            with open(blob, "rb") if from_file else contextlib.nullcontext(memoryview(blob)) as source:
+                for i in range(chunks):
+                    chunk = await asyncio.to_thread(source.read, size) if from_file else source[i * size:(i + 1) * size]
+                    await self.client.set(self.keys.weights_chunk(version, i), chunk)
+            if from_file:
+                os.unlink(blob)
             record.update(transport="redis", chunks=chunks)
         return await self.announce(record)
 

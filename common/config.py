@@ -312,6 +312,11 @@ class LearnerConfig(Section):
     parallel: Literal["ddp", "fsdp2"] = "ddp"
     """With ranks > 1: ddp (each rank holds the model) or fsdp2 (parameters, gradients and optimizer
     state sharded per decoder layer; built on the meta device, each rank reading only its shards)."""
+    return_freed_memory: bool = True
+    """Give host memory back to the system as soon as torch frees it (glibc: allocations of 64 KiB
+    or more mapped on their own, unmapped on free). Without it glibc keeps the freed heap: 0.2 of
+    one full fp32 train state a rank at 0.5B on 2 FSDP2 ranks. Costs page faults on the CPU
+    (measured by `omrl bench shards`)."""
     checkpoint_async: bool = True
     """Write checkpoints from a background thread: each rank's shards are copied to host memory
     beside the next step (whose optimizer step waits for the copy) and written from the copy while

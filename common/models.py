@@ -7,6 +7,8 @@ built here and saved with `save_pretrained` so that nothing is ever downloaded.
 from __future__ import annotations
 
 import json
+import math
+import os
 import string
 from collections.abc import Iterable
 from pathlib import Path
@@ -121,6 +123,41 @@ def save_policy(model, tokenizer_from: str, out: str | Path, state_dict: dict | 
     model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
     AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out)
     return Path(out)
+
+
+SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",
+                      "int32": "I32", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
+
+
+def write_safetensors(path: str | Path, layout: list[tuple[str, tuple[int, ...], object]], tensors: Iterable) -> int:
+    """A safetensors file at `path` (fsync'd; no rename) from `tensors`, (name, tensor) pairs that
+    may come one at a time (a generator) in `layout`'s order: (name, shape, torch dtype). The
+    header comes from the layout, so each tensor is written as it comes and freed before the
+    next: what writing holds is one tensor, never the file's bytes. The file's size."""
+    import struct
+
+    import torch
+
+    header, offset = {}, 0
+    for name, shape, dtype in layout:
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[name] = {"dtype": SAFETENSORS_DTYPES[str(dtype).removeprefix("torch.")], "shape": list(shape),
+                        "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(raw)) + raw)
+        for (name, shape, dtype), (got, tensor) in zip(layout, tensors, strict=True):
+            if got != name or tuple(tensor.shape) != tuple(shape) or tensor.dtype != dtype:
+                raise ValueError(f"{path}: expected {name} {tuple(shape)} {dtype}, got {got} "
+                                 f"{tuple(tensor.shape)} {tensor.dtype}")
+            f.write(tensor.contiguous().view(-1).view(torch.uint8).numpy().data)
+            del tensor
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(raw) + offset
 
 
 def is_model_dir(path: str | Path) -> bool:

@@ -87,6 +87,7 @@ async def fine_tune(cfg: Config, data: list[str], out: Path) -> Path:
     from common.models import load_causal_lm, save_policy
     from deploy.evaluate import ModelPlayer, eval_row
     from envs.tasks import task_split
+    from learner.host_memory import return_freed_memory
     from learner.sft import SFTTrainer
 
     sft = cfg.sft
@@ -112,6 +113,7 @@ async def fine_tune(cfg: Config, data: list[str], out: Path) -> Path:
              len(train), sum(sum(m) for _t, m in train), len(held), total, sft.batch_size, eval_env,
              sorted(eval_steps) if sft.eval_episodes else "none")
     torch.manual_seed(sft.seed)
+    return_freed_memory(cfg.learner.return_freed_memory)
     model = load_causal_lm(cfg.model.path)
     if cfg.learner.ranks > 1:
         log.warning("omrl sft trains in one process: learner.ranks=%d is not used", cfg.learner.ranks)

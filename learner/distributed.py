@@ -85,11 +85,7 @@ class Single:
         dtype, never a whole fp32 copy of the model first. Every rank must run it to its end."""
         from torch.distributed.tensor import DTensor
 
-        aliases = tied_names(module)
-        for name, value in module.state_dict(keep_vars=True).items():
-            name = name.removeprefix("module.")
-            if name in aliases:
-                continue
+        for name, value in _named_state(module):
             sharded = isinstance(value, DTensor)
             whole = value.full_tensor() if sharded else value.detach()  # a collective: every rank
             if not self.is_main:
@@ -101,6 +97,12 @@ class Single:
                     out = out.clone()  # training goes on
             yield name, out
             del whole, out
+
+    def layout(self, module: torch.nn.Module, dtype: torch.dtype | None = None
+               ) -> list[tuple[str, tuple[int, ...], torch.dtype]]:
+        """(name, whole shape, dtype) of each tensor `gathered` yields, in its order, without
+        gathering anything (a file's header can be written before its first tensor)."""
+        return [(name, tuple(value.shape), dtype or value.dtype) for name, value in _named_state(module)]
 
     def sum(self, values: list[float]) -> list[float]:
         """Each value summed over the ranks (float64)."""
@@ -250,6 +252,16 @@ class FSDP2(_Distributed):
             yield
         finally:
             module.set_requires_gradient_sync(True)
+
+
+def _named_state(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """The module's state-dict entries (parameters and persistent buffers, sharded as they are
+    held), named as `train_state` names them (no DDP `module.` prefix), a tied weight once."""
+    aliases = tied_names(module)
+    for name, value in module.state_dict(keep_vars=True).items():
+        name = name.removeprefix("module.")
+        if name not in aliases:
+            yield name, value
 
 
 def tied_names(module: torch.nn.Module) -> dict[str, str]:

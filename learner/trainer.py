@@ -21,9 +21,9 @@ from concurrent.futures import Future
 from pathlib import Path
 
 import torch
-from safetensors.torch import save as save_safetensors
 
 from common.config import LearnerConfig
+from common.models import write_safetensors
 from common.timing import Timer
 from common.weight_sync import Packed, pack
 from learner.algorithms import (
@@ -307,10 +307,17 @@ class Trainer:
         elsewhere; every rank must call it)."""
         return {name: tensor for name, tensor in self._policy(dtype) if tensor is not None}
 
-    def weights_blob(self, dtype: torch.dtype = torch.float32) -> bytes:
-        """The weights as safetensors bytes in the actors' `dtype` (rank 0; every rank must call it)."""
-        state = self.hf_state(dtype)
-        return save_safetensors(state) if self.parallel.is_main else b""
+    def save_weights(self, path: str | Path, dtype: torch.dtype = torch.float32) -> int:
+        """The policy's weights as a safetensors file at `path` in the actors' `dtype`, written
+        tensor by tensor as they are gathered: what it adds to rank 0's memory is one tensor,
+        never the file's bytes. Its size on rank 0 (0 elsewhere); every rank must call it."""
+        tensors = self._policy(dtype)
+        if not self.parallel.is_main:
+            collections.deque(tensors, maxlen=0)  # the gathers are collectives
+            return 0
+        layout = [(name[len(PREFIX):], shape, dt) for name, shape, dt in self.parallel.layout(self.scorer, dtype)
+                  if name.startswith(PREFIX)]
+        return write_safetensors(path, layout, tensors)
 
     def weights_packed(self, version: int, dtype: torch.dtype, bucket_bytes: int, device) -> Packed | None:
         """The weights in buckets for the broadcast transport, in the actors' `dtype` on `device`

@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from broker.admission import floor_accepted
-from broker.weights import WeightStore
+from broker.weights import STAGING, WeightStore
 from common.config import Config, require_set
 from common.messages import decode_group
 from common.metrics import JsonlSink
@@ -42,6 +42,7 @@ from learner.bridge import BrokerBridge, Delivery
 from learner.broadcast import BroadcastSender
 from learner.checkpoint import LearnerState, RecentIds, begin, finish, latest_checkpoint, read_state
 from learner.distributed import Single, setup
+from learner.host_memory import return_freed_memory
 from learner.trainer import REFERENCE_DTYPE, Trainer
 
 log = logging.getLogger(__name__)
@@ -99,12 +100,17 @@ class Learner:
                         gamma=lcfg.gamma, step_weight=lcfg.gigpo_step_weight)
         return self.trainer.train_step(batch), batch
 
-    def _op_weights(self, _=None) -> bytes | Packed | None:
-        """Rank 0: the weights for the actors, as safetensors bytes (blob) or packed buckets (broadcast)."""
+    def _op_weights(self, _=None) -> str | Packed | None:
+        """Rank 0: the weights for the actors, as a safetensors file's path (blob: written as they
+        are gathered, for `WeightStore.publish` to take) or packed buckets (broadcast)."""
         # In the actors' inference dtype: vLLM would cast fp32 on load anyway, and bf16 halves the bytes.
         dtype, wcfg = getattr(torch, self.cfg.model.dtype), self.cfg.weights
         if wcfg.transport == "blob":
-            return self.trainer.weights_blob(dtype)
+            path = os.path.join(wcfg.dir or self.cfg.run.run_dir, STAGING)
+            if self.parallel.is_main:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.trainer.save_weights(path, dtype)
+            return path
         device = self.parallel.device if self.weights_backend == "nccl" else torch.device("cpu")
         return self.trainer.weights_packed(self.state.version, dtype, wcfg.bucket_mb << 20, device)
 
@@ -219,6 +225,7 @@ class Learner:
         self.parallel = setup(lcfg.parallel, lcfg.device, lcfg.precision)
         torch.manual_seed(lcfg.seed)
         torch.set_num_threads(lcfg.threads)
+        return_freed_memory(lcfg.return_freed_memory)
         # fp32 master weights whatever model.dtype (the actors' inference dtype) says; learner.precision
         # sets the compute.
         path = self.cfg.model.path

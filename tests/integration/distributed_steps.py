@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from safetensors.torch import load_file
 
 from common.config import LearnerConfig
 from learner.batch import collate
@@ -57,9 +58,11 @@ def main() -> None:
     path = Path(args.out) / f"step-{args.last:08d}.tmp"
     path.mkdir(parents=True, exist_ok=True)
     written = trainer.save_checkpoint(path, background=True)
-    published = trainer.hf_state(torch.bfloat16)  # gathered a tensor at a time, as publishing does
+    # Published as the blob transport publishes: gathered and written a tensor at a time.
+    trainer.save_weights(Path(args.out) / "published.safetensors", torch.bfloat16)
     written.result()  # this rank's shards; on rank 0 every rank's, and the metadata
     if parallel.is_main:
+        published = load_file(Path(args.out) / "published.safetensors")
         saved = {k.removeprefix(PREFIX): v for k, v in read_model(finish(path, LearnerState(args.last, args.last),
                                                                           keep=1), PREFIX).items()}
         assert published.keys() == saved.keys(), (published.keys() ^ saved.keys())  # a tied layer: once in both

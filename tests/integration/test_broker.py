@@ -12,7 +12,7 @@ from broker.membership import Membership
 from broker.retry import RetryPolicy
 from broker.status import run_status
 from broker.streams import RolloutConsumer, RolloutProducer, stream_info
-from broker.weights import WeightStore, WeightVersionError
+from broker.weights import STAGING, WeightStore, WeightVersionError
 
 pytestmark = pytest.mark.redis
 
@@ -335,6 +335,25 @@ def test_weights_over_the_servers_value_limit_go_in_chunks_under_it(redis_server
         finally:
             await client.config_set("proto-max-bulk-len", old)
             await client.aclose()
+    run(scenario())
+
+
+def test_a_version_published_from_a_file_is_taken_whole(redis_server_url, run_name, tmp_path):
+    """What the learner publishes: a file (written as the weights are gathered), read into Redis a
+    chunk at a time, or renamed into weights.dir; either way the file is taken and the version
+    reads back byte for byte."""
+    async def scenario():
+        client = connect(redis_server_url)
+        data = os.urandom(1000)
+        for store in (WeightStore(client, Keys(run_name), chunk_bytes=300),
+                      WeightStore(client, Keys(run_name + "-dir"), directory=str(tmp_path / "shared"))):
+            staged = tmp_path / STAGING
+            staged.write_bytes(data)
+            record = await store.publish(1, 1, str(staged))
+            assert not staged.exists() and record["nbytes"] == 1000
+            assert record["chunks"] == 4 if record["transport"] == "redis" else record["path"].endswith("v1.safetensors")
+            assert await store.fetch(record) == data
+        await client.aclose()
     run(scenario())
 
 

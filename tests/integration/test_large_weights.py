@@ -3,6 +3,7 @@ chunks: a 143M-parameter float32 model with tied embeddings, built here, publish
 safetensors bytes in 64 MiB chunks and loads whole on the actor's side."""
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -25,8 +26,9 @@ def test_a_model_over_512_mib_publishes_in_chunks_and_loads_whole(tmp_path, run_
     path = init_tiny_model(tmp_path / "m143", hidden=1024, layers=14, heads=16, tie_embeddings=True)
     trainer = Trainer(load_causal_lm(str(path)), LearnerConfig())
     state = trainer.hf_state()
-    blob = trainer.weights_blob()
-    assert len(blob) > REDIS_MAX_VALUE and "lm_head.weight" not in state  # tied: saved once
+    blob = str(tmp_path / "published.safetensors")  # as the learner publishes: a file, read a chunk at a time
+    size = trainer.save_weights(blob)
+    assert size > REDIS_MAX_VALUE and "lm_head.weight" not in state  # tied: saved once
     loaded = {}
 
     async def load(file):
@@ -44,7 +46,8 @@ def test_a_model_over_512_mib_publishes_in_chunks_and_loads_whole(tmp_path, run_
             return record, gate
 
     record, gate = asyncio.run(scenario())
-    assert record["chunks"] == -(-len(blob) // (64 << 20)) >= 9 and gate.version == 1
+    assert record["chunks"] == -(-size // (64 << 20)) >= 9 and record["nbytes"] == size and gate.version == 1
+    assert not os.path.exists(blob)  # publish took the file
     assert loaded.keys() == state.keys()
     assert all(torch.equal(loaded[k], state[k]) for k in state)
     assert not list(tmp_path.glob("v1.safetensors"))  # the fetched file is deleted once loaded

@@ -76,7 +76,7 @@ def test_weights_reload_in_place(engine, cfg, loop, tmp_path):
         for p in model.parameters():
             p.add_(torch.randn_like(p) * 0.5)
     path = tmp_path / "w.safetensors"
-    path.write_bytes(Trainer(model, cfg.learner).weights_blob())
+    Trainer(model, cfg.learner).save_weights(path)
     prompt = engine.tokenizer.encode("Say b", add_special_tokens=False)
     loop.run_until_complete(engine.load_weights(str(path)))
     gen = loop.run_until_complete(engine.generate(prompt, 6))
@@ -141,8 +141,8 @@ def test_an_update_interrupts_a_turn_which_continues_on_the_new_weights(engine, 
 
     old, new = load_causal_lm(cfg.model.path), perturbed(cfg.model.path, 0.5, seed=1)
     old_path, new_path = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
-    old_path.write_bytes(Trainer(old, cfg.learner).weights_blob())
-    new_path.write_bytes(Trainer(new, cfg.learner).weights_blob())
+    Trainer(old, cfg.learner).save_weights(old_path)
+    Trainer(new, cfg.learner).save_weights(new_path)
     prompt = engine.tokenizer.encode("U: Say c", add_special_tokens=False)
 
     async def attempt():

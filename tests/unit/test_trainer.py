@@ -98,8 +98,9 @@ def test_more_minibatches_than_samples_step_only_on_samples(tiny_model):
     assert metrics["learner/updates"] == 2 * 4  # one sample per minibatch; the 6 empty ones are not steps
 
 
-def test_tied_output_layer_is_published_once(tmp_path):
-    from safetensors.torch import load as load_safetensors
+def test_tied_output_layer_is_published_once_in_a_file_safetensors_reads(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import load_file
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from learner.trainer import Trainer
@@ -107,8 +108,14 @@ def test_tied_output_layer_is_published_once(tmp_path):
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
     trainer = Trainer(model, LearnerConfig())
-    weights = load_safetensors(trainer.weights_blob())
+    path = tmp_path / "w.safetensors"
+    assert trainer.save_weights(path, torch.bfloat16) == path.stat().st_size  # written a tensor at a time
+    weights = load_file(path)  # safetensors checks the header's offsets against the file
     assert "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights
+    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    assert weights.keys() == state.keys() and all(torch.equal(weights[k], state[k]) for k in state)
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"format": "pt"}  # transformers refuses a file without it
     trainer.train_step(collate(varied_groups(1)))
     assert trainer.model.lm_head.weight is trainer.model.model.embed_tokens.weight  # still tied after a step
     model_state = trainer.parallel.train_state(trainer.scorer, trainer.optimizer)["model"]
