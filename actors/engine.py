@@ -1,6 +1,6 @@
 """Inference engines behind one small interface: `generate` one continuation of a token
-list with per-token log-probs; `load_weights` from a safetensors file in place, or
-`join_weights` / `receive_weights` over the broadcast transport; `pause` (running requests
+list with per-token log-probs; `load_weights` from a safetensors file in place (whatever
+the transport: a broadcast version is staged as a file first); `pause` (running requests
 return what they have, finish reason "abort") and `resume` around an in-flight update."""
 
 from __future__ import annotations
@@ -161,15 +161,6 @@ class VLLMEngine:
 
     async def load_weights(self, path: str) -> None:
         await self.llm.collective_rpc("omrl_reload_weights", args=(path,))
-
-    async def join_weights(self, host: str, port: int, link: str, backend: str, timeout_s: float) -> None:
-        """Every worker joins the learner's group `link` (rank 1 + its tensor-parallel rank)."""
-        await self.llm.collective_rpc("omrl_join", args=(host, port, link, 1 + self.workers, backend, timeout_s))
-
-    async def receive_weights(self) -> int:
-        """Receive the version the learner sends over the joined group; its number."""
-        versions = await self.llm.collective_rpc("omrl_receive")
-        return int(versions[0])
 
     async def pause(self) -> None:
         """Running requests end now with what they have (finish reason "abort"); new ones wait."""

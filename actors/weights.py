@@ -12,11 +12,15 @@ stays closed until a version loads whole."""
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import contextvars
 import logging
+import os
 import tempfile
+import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import msgpack
@@ -24,6 +28,19 @@ import msgpack
 from broker.retry import RetryPolicy
 from broker.weights import Announcements, WeightStore, WeightVersionError, discard
 from common.logs import first_line
+from common.weight_sync import (
+    HEARTBEAT_S,
+    JOINS,
+    LEAVES,
+    POLL_S,
+    SENDS,
+    alive_key,
+    dropped_key,
+    epoch_key,
+    join_key,
+    leave_key,
+    send_key,
+)
 
 log = logging.getLogger(__name__)
 
@@ -145,41 +162,159 @@ class WeightGate:
 
 
 class BroadcastLink:
-    """The actor's end of the broadcast transport: joins the learner named in the version's
-    record (again after a failure or a learner restart), then receives each version straight
-    into the engine's workers."""
+    """The actor's end of the broadcast transport: a member of the learner's one weight group
+    (joined again after a learner restart or a drop). A thread of its own relays each version
+    down the chain as it arrives and stages it as a safetensors file in `directory`, whatever
+    the engine is doing; the gate then loads the staged file as it loads a blob version, so an
+    actor busy generating (or holding an evaluation) delays no other actor's weights."""
 
-    def __init__(self, engine, name: str, timeout_s: float):
-        self.engine, self.name, self.timeout_s = engine, name, timeout_s
-        self.address: str | None = None  # the learner's, while joined
-        self.store = self.link = None
+    def __init__(self, name: str, directory: str, timeout_s: float):
+        self.name, self.directory, self.timeout_s = name, directory, timeout_s
+        self.address: str | None = None  # the learner's, while a member
+        self._stop: threading.Event | None = None
+        self._thread: threading.Thread | None = None
+        self._staged: tuple[int, str] | None = None  # the newest version staged, and its file
+        self._arrived: asyncio.Event | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
 
     async def join(self, record: dict) -> None:
-        """Join the learner the record names, unless joined to it already."""
-        if self.address != _learner(record):
-            await self._join(record)
+        """Become a member of the learner the record names, unless one already."""
+        if self.address == _learner(record):
+            return
+        self.close()
+        self._loop, self._arrived, self._stop = asyncio.get_running_loop(), asyncio.Event(), threading.Event()
+        host, port = record["address"].rsplit(":", 1)
+        self._thread = threading.Thread(target=self._member, args=(host, int(port), self._stop),
+                                        name="weights-member", daemon=True)
+        self._thread.start()
+        self.address = _learner(record)
 
-    async def receive(self, record: dict) -> int:
-        try:
-            await asyncio.to_thread(self.store.set, f"{self.link}/want", b"1")
-            return await self.engine.receive_weights()
-        except BaseException:
-            self.address = None  # the group is gone on one side or the other: join again next time
-            raise
+    async def receive(self, record: dict) -> tuple[int, str]:
+        """The newest version staged once it is the record's or newer, and a link to its file of
+        the caller's own (to `discard` once loaded). Fails after timeout_s, naming the learner;
+        the engine's weights are untouched."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            staged = self._staged
+            if staged is not None and staged[0] >= record["version"]:
+                with contextlib.suppress(FileNotFoundError):  # a newer one replaced it meanwhile: take that
+                    mine = f"{staged[1]}.{uuid.uuid4().hex}"
+                    os.link(staged[1], mine)
+                    return staged[0], mine
+                continue
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise WeightVersionError(f"version {record['version']} did not arrive from the learner at "
+                                         f"{record['address']} within weights.timeout_s ({self.timeout_s:g}s)")
+            self._arrived.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._arrived.wait(), min(left, 1.0))
 
-    async def _join(self, record: dict) -> None:
+    def close(self, wait_s: float = 2.0) -> None:
+        """Leave the learner's group: the thread says so to the learner and ends (waited for up
+        to wait_s; in the middle of a send it ends after it)."""
+        if self._stop is not None:
+            self._stop.set()
+            self._thread.join(wait_s)
+        self.address = None
+
+    def _stage(self, version: int, path: str) -> None:
+        old, self._staged = self._staged, (version, path)
+        if old is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(old[1])  # a loader holds its own link
+        self._loop.call_soon_threadsafe(self._arrived.set)
+
+    def _member(self, host: str, port: int, stop: threading.Event) -> None:
+        """The member's thread: join, beat, and take part in every send that names it, until
+        `stop` (then leave); joined again when the learner dropped it or the store failed."""
         from common.weight_sync import open_store
 
-        host, port = record["address"].rsplit(":", 1)
-        self.address = None
-        self.store = await asyncio.to_thread(open_store, host, int(port), self.timeout_s)
-        number = await asyncio.to_thread(self.store.add, "joins", 1) - 1
-        self.link = f"link/{number}"
-        await asyncio.to_thread(self.store.set, f"join/{number}",
-                                msgpack.packb({"name": self.name, "world": 1 + self.engine.workers}))
-        await self.engine.join_weights(host, int(port), self.link, record["backend"], self.timeout_s)
-        self.address = _learner(record)
-        log.info("joined the learner's weight group at %s (%s)", self.address, self.link)
+        while not stop.is_set():
+            try:
+                store = open_store(host, port, self.timeout_s)
+                number = store.add(JOINS, 1) - 1
+                first = store.add(SENDS, 0)  # sends before this one were planned without us
+                store.set(join_key(number), msgpack.packb({"name": self.name}))
+                log.info("joined the learner's weight group at %s:%d (member %d)", host, port, number)
+                beating = threading.Event()
+                threading.Thread(target=_beat, args=(host, port, self.timeout_s, number, beating), daemon=True,
+                                 name="weights-heartbeat").start()
+                try:
+                    self._take_part(store, number, first, stop)
+                finally:
+                    beating.set()
+                if stop.is_set():
+                    store.set(leave_key(store.add(LEAVES, 1) - 1), str(number).encode())
+            except Exception as exc:  # noqa: BLE001 - the learner is gone or restarting: join again
+                log.warning("weight group at %s:%d: %s (joining again)", host, port, first_line(exc))
+                stop.wait(1.0)
+
+    def _take_part(self, store, number: int, k: int, stop: threading.Event) -> None:
+        """Every send from k on: relay and stage the ones that name this member; return once the
+        learner dropped it (to join again) or on `stop`."""
+        import torch
+
+        from common.models import write_safetensors
+        from common.weight_sync import open_group, relay_version
+
+        epoch, group = None, None
+        while not stop.is_set():
+            if not _until(store, send_key(k), 1.0, stop):
+                continue
+            plan = msgpack.unpackb(store.get(send_key(k)))
+            this, k = k, k + 1
+            if number not in plan["members"]:
+                if store.check([dropped_key(number)]):
+                    log.warning("the learner dropped this actor from its weight group: joining again")
+                    return
+                continue  # planned before this member joined: the next send names it
+            rank, world = 1 + plan["members"].index(number), 1 + len(plan["members"])
+            try:
+                if plan["epoch"] != epoch:
+                    epoch, group = None, None
+                    store.set(epoch_key(plan["epoch"], "ready", number), b"1")
+                    if not _until(store, epoch_key(plan["epoch"], "go"), self.timeout_s, stop):
+                        raise TimeoutError(f"no word from the learner on weight group {plan['epoch']} within "
+                                           f"{self.timeout_s:g}s")
+                    if store.get(epoch_key(plan["epoch"], "go")) != b"1":
+                        continue  # given up: a member never came
+                    group = open_group(store, plan["epoch"], rank, world, self.timeout_s)
+                    epoch = plan["epoch"]
+                version, layout, tensors = relay_version(group, rank, world)
+                if self._staged is None or version > self._staged[0]:
+                    path = os.path.join(self.directory, f"broadcast-v{version}.safetensors")
+                    write_safetensors(path, [(name, shape, getattr(torch, dtype)) for name, dtype, shape in layout],
+                                      tensors)
+                    self._stage(version, path)
+                else:
+                    collections.deque(tensors, maxlen=0)  # passed on only: this member has it
+                store.set(send_key(this, "got", number), b"1")
+            except Exception as exc:  # noqa: BLE001 - a peer died or hung: the next send builds a new group
+                log.warning("weight send %d failed here: %s", this, first_line(exc))
+                epoch, group = None, None
+                store.set(send_key(this, "failed", number), b"1")
+            store.add(send_key(this, "done"), 1)
+
+
+def _until(store, key: str, timeout_s: float, stop: threading.Event) -> bool:
+    """Whether `key` is in the store within timeout_s (polled: the store's own wait logs a
+    warning each time it times out)."""
+    deadline = time.monotonic() + timeout_s
+    while not store.check([key]):
+        if time.monotonic() > deadline or stop.wait(POLL_S):
+            return False
+    return True
+
+
+def _beat(host: str, port: int, timeout_s: float, number: int, stop: threading.Event) -> None:
+    """A member's heartbeat, on a store connection of its own (the member's may be in a send)."""
+    from common.weight_sync import open_store
+
+    with contextlib.suppress(Exception):  # the learner is gone: the member notices and joins again
+        store = open_store(host, port, timeout_s)
+        while not stop.wait(HEARTBEAT_S):
+            store.add(alive_key(number), 1)
 
 
 def _learner(record: dict) -> str:
@@ -199,8 +334,12 @@ async def apply_newest(store: WeightStore, gate: WeightGate, load_path: Callable
     if record["transport"] == "broadcast":
         if link is None:
             raise WeightVersionError("weights travel by broadcast, and this receiver has no broadcast link")
-        await link.join(record)  # before the gate closes: a failed join leaves the weights as they are
-        await gate.apply(record["version"], lambda: link.receive(record))
+        await link.join(record)
+        version, path = await link.receive(record)  # staged beside generation: the gate closes only to load
+        try:
+            await gate.apply(version, lambda: load_path(path))
+        finally:
+            discard(record, path)
         log.info("applied weight version %d by broadcast (%d bytes)", gate.version, record["nbytes"])
         return True
     try:

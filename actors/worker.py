@@ -137,9 +137,8 @@ class Actor:
         self.gate = (WeightGate(0, pause=self.engine.pause, resume=self.engine.resume) if interrupt
                      else WeightGate(0))
         # The transport is the learner's choice, read from each version's record.
-        self.link = (BroadcastLink(self.engine, f"{self.name}|{self.incarnation}", cfg.weights.timeout_s)
-                     if hasattr(self.engine, "join_weights") else None)
         self.weights_dir = tempfile.mkdtemp(prefix="omrl-weights-")
+        self.link = BroadcastLink(f"{self.name}|{self.incarnation}", self.weights_dir, cfg.weights.timeout_s)
         try:
             with contextlib.suppress(GroupFailed):  # the receiver (or the next group) tries again
                 await self._load_newest_weights()  # start on the current version
@@ -163,6 +162,7 @@ class Actor:
                     loops = [tg.create_task(self._group_loop()) for _ in range(cfg.actor.concurrent_groups)]
                     tg.create_task(self._drain(loops, flusher))
         finally:
+            self.link.close()  # leaves the learner's weight group, if a member
             await client.aclose()
             self.engine.shutdown()
             shutil.rmtree(self.weights_dir, ignore_errors=True)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 BENCHMARKS = {"broker": "benchmarks.broker", "pipeline": "benchmarks.pipeline", "weights": "benchmarks.weights",
               "engine": "benchmarks.engine", "learner": "benchmarks.learner", "memory": "benchmarks.memory",
-              "shards": "benchmarks.shards", "env": "benchmarks.env", "staleness": "benchmarks.staleness"}
+              "shards": "benchmarks.shards", "fanout": "benchmarks.fanout", "env": "benchmarks.env",
+              "staleness": "benchmarks.staleness"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

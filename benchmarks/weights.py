@@ -5,8 +5,8 @@ what an update costs generation, interrupting running requests against draining 
 Transports (the learner's choice, `weights.*`; an actor follows each version's record):
 `blob` (safetensors bytes in Redis chunks of weights.chunk_mb), `dir` (one safetensors file
 in a directory every process sees: here a temporary directory on the machine's disk) and
-`broadcast` (tensors packed into buckets of weights.bucket_mb, sent over a gloo group from
-the learner's side to each actor's vLLM worker, straight into the model).
+`broadcast` (tensors packed into buckets of weights.bucket_mb, sent once down a gloo chain of
+the learner's side and every actor, staged by each actor as a file, then loaded like a blob).
 
 System, per repetition and transport: the learner's side as learner/worker.py runs it
 (blob, dir: `Trainer.save_weights()` then `WeightStore.publish`; broadcast:
@@ -16,17 +16,16 @@ then `WeightStore.announce`), then each actor's receiver as actors/worker.py bui
 real `VLLMEngine`; woken by the announcement, or at the latest by its poll every
 actor.weight_poll_s). Latency: from the start of serialisation to the moment the last
 actor's gate opens on the new version, split along that actor's path into serialise,
-publish, wake-up (publish done -> the actor reads the record and starts its fetch, or its
-join for broadcast), fetch (blob: GET of the chunks, file write and sha256; dir: sha256 of
-the shared file; broadcast: joining the learner's group, nothing once joined), gate (the
+publish, wake-up (publish done -> the actor reads the record and starts its fetch),
+fetch (blob: GET of the chunks, file write and sha256; dir: sha256 of the shared file;
+broadcast: waiting for the version to arrive down the chain and be staged), gate (the
 update closing the gate: with actor.update_mode "interrupt", the default, pausing the
-engine), load (blob, dir: the engine's reload from the
-file; broadcast: asking for the version and receiving it into the model) and resume. The
+engine), load (the engine's reload from the file) and resume. The
 clocks are one machine's, but wake-up can read a millisecond or two below 0: the actor may
 hear the announcement before the learner's PUBLISH call has returned. Each model's actors
 apply one version by each transport untimed first (an engine's first reload and the
-broadcast's join cost more, once a process); --quick skips that, so its first figures
-include them.
+broadcast's join and first group cost more, once a process); --quick skips that, so its
+first figures include them.
 
 Baseline, the same for every transport so their ratios compare: the safetensors bytes,
 already serialised, SET by the learner's side and then GET by each actor process on its own
@@ -66,8 +65,7 @@ generation back less (lower is better for the seconds; for tokens/s higher is be
 `device="cuda"` is minimal: the learner's copy of the model moves to the GPU (so
 serialisation includes the copy off it) and vLLM picks the GPU itself; one actor per GPU
 (CUDA_VISIBLE_DEVICES), since two engines on one GPU each reserve most of its memory. The
-broadcast stays on gloo (the learner would pick NCCL, which needs it and each actor on
-different GPUs; this benchmark does not arrange that)."""
+broadcast is gloo over TCP on any device, as in the learner."""
 
 from __future__ import annotations
 
@@ -189,7 +187,7 @@ class BroadcastTransport:
         cfg = WeightsConfig()
         self.store = WeightStore(client, _keys(run), keep=LearnerConfig().keep_versions)
         self.bucket_bytes = cfg.bucket_mb << 20
-        self.sender = BroadcastSender("127.0.0.1", 0, "gloo", cfg.timeout_s)
+        self.sender = BroadcastSender("127.0.0.1", 0, cfg.timeout_s)
 
     def serialise(self, trainer, version: int):
         import torch
@@ -239,10 +237,11 @@ async def _receiver(args: argparse.Namespace) -> None:
             return path
 
     class TimedLink(BroadcastLink):
-        async def join(self, record):
+        async def receive(self, record):
             start = time.time()
-            await super().join(record)
+            got = await super().receive(record)  # the wait for the staged version: relayed down the chain
             spans["fetch"] = (start, time.time())
+            return got
 
     class TimedGate(WeightGate):
         async def apply(self, version, load):
@@ -264,7 +263,8 @@ async def _receiver(args: argparse.Namespace) -> None:
     store = TimedStore(weights, _keys(args.run))
     interrupt = actor.update_mode == "interrupt"
     gate = TimedGate(0, pause=engine.pause, resume=engine.resume) if interrupt else TimedGate(0)
-    link = TimedLink(engine, f"bench-receiver-{args.index}", WeightsConfig().timeout_s)
+    staging = tempfile.mkdtemp(prefix="omrl-bench-receiver-")
+    link = TimedLink(f"bench-receiver-{args.index}", staging, WeightsConfig().timeout_s)
 
     async def commands() -> None:
         while not stop.is_set():
@@ -286,9 +286,11 @@ async def _receiver(args: argparse.Namespace) -> None:
             tg.create_task(receive_weights(store, gate, engine.load_weights, actor.weight_poll_s, stop, link=link))
             tg.create_task(commands())
     finally:
+        link.close()
         for client in (control, reports, raw, weights):
             await client.aclose()
         engine.shutdown()
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 # ---- update modes: one engine, generation under updates ------------------------------------
@@ -662,11 +664,15 @@ def _rows(points: list[dict], updates: dict, memory: dict) -> list[dict]:
         rows.append({**row(f"{what}, interrupt vs drain ({workload}; {better} is better)",
                            [r[figure] for r in runs["interrupt"]], [r[figure] for r in runs["drain"]]),
                      "figure": figure})
-    gathered, whole = memory["runs"]["gathered"], memory["runs"]["whole"]
+    gathered, whole, file = (memory["runs"][k] for k in ("gathered", "whole", "file"))
     rows.append({**row(f"{memory['model']} params: MB the learner adds while packing a version in bf16 "
-                       f"({gathered[0]['payload_mb']:.0f} MB), gathered a tensor at a time vs the whole fp32 state "
-                       "first (lower is better)", [r["extra_mb"] for r in gathered], [r["extra_mb"] for r in whole]),
-                 "figure": "publish_mb"})
+                       f"({gathered[0]['payload_mb']:.0f} MB; broadcast), gathered a tensor at a time vs the whole "
+                       "fp32 state first (lower is better)", [r["extra_mb"] for r in gathered],
+                       [r["extra_mb"] for r in whole]), "figure": "publish_mb"})
+    rows.append({**row(f"{memory['model']} params: MB the learner adds while writing a version's file in bf16 "
+                       f"({file[0]['payload_mb']:.0f} MB; blob, dir), a tensor at a time as gathered vs packing "
+                       "from the whole fp32 state first (lower is better)", [r["extra_mb"] for r in file],
+                       [r["extra_mb"] for r in whole]), "figure": "publish_file_mb"})
     return rows
 
 
@@ -730,7 +736,9 @@ def _publish_memory(args: argparse.Namespace) -> None:
     """One packing of a version for the broadcast transport in this process, in bf16 with the
     default bucket size: the peak resident memory it added, as JSON on stdout. `gathered`: the
     learner's path (`Trainer.weights_packed`: a tensor at a time, packed as gathered); `whole`:
-    the path before it, the whole fp32 state gathered first (a full state dict), cast, then packed."""
+    the path before it, the whole fp32 state gathered first (a full state dict), cast, then
+    packed; `file`: the blob transport's (`Trainer.save_weights`: each tensor written to the
+    version's file as it is gathered)."""
     import torch
 
     from benchmarks.learner import PeakRss
@@ -747,6 +755,10 @@ def _publish_memory(args: argparse.Namespace) -> None:
     with PeakRss() as peak:
         if args.publish_memory == "gathered":
             packed = trainer.weights_packed(1, torch.bfloat16, bucket, "cpu")
+        elif args.publish_memory == "file":
+            path = Path(args.model) / "publish-memory.safetensors"
+            packed = argparse.Namespace(nbytes=trainer.save_weights(path, torch.bfloat16))  # as learner/worker.py
+            path.unlink()
         else:
             from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
@@ -768,7 +780,7 @@ def measure_publish_memory(model: Model, repeats: int) -> dict:
             raise RuntimeError(f"publish memory ({kind}) failed:\n{done.stderr[-2000:]}")
         return json.loads(done.stdout.strip().splitlines()[-1])
 
-    runs = alternate({"gathered": lambda: once("gathered"), "whole": lambda: once("whole")}, repeats)
+    runs = alternate({kind: (lambda k=kind: once(k)) for kind in ("gathered", "whole", "file")}, repeats)
     return {"model": model.label, "runs": runs}
 
 
@@ -777,7 +789,8 @@ def main(argv: list[str] | None = None) -> None:
                                                  "(internal)")
     parser.add_argument("--receiver", action="store_true", help="run one receiver for the driver in run()")
     parser.add_argument("--update-modes", action="store_true", help="run the update-mode comparison")
-    parser.add_argument("--publish-memory", choices=("gathered", "whole"), help="measure one packing (internal)")
+    parser.add_argument("--publish-memory", choices=("gathered", "whole", "file"),
+                        help="measure one packing (internal)")
     parser.add_argument("--url", help="Redis URL")
     parser.add_argument("--run", help="run name: the keys' prefix")
     parser.add_argument("--model", help="model directory")

@@ -337,9 +337,10 @@ class WeightsConfig(Section):
     """How a weight version travels from the learner to the actors' engines."""
 
     transport: Literal["blob", "broadcast"] = "blob"
-    """blob: safetensors bytes in Redis chunks (or a file in weights.dir); broadcast: tensors over a
-    torch.distributed group between the learner's rank 0 and each actor's vLLM workers (gloo on CPU,
-    NCCL on GPUs), no bytes in Redis."""
+    """blob: safetensors bytes in Redis chunks (or a file in weights.dir); broadcast: buckets over one
+    gloo group of the learner's rank 0 and every actor, relayed down a chain (the learner sends each
+    version once, whatever the number of actors) and staged by each actor beside generation; no
+    bytes in Redis."""
     dir: str | None = None
     """blob transport: a directory every learner and actor process sees (a shared volume); the bytes go
     there instead of into Redis. It holds one run's weights: older version files in it are deleted."""
@@ -350,11 +351,10 @@ class WeightsConfig(Section):
     port: int = Field(0, ge=0, le=65535)
     """broadcast: the learner's rendezvous port (0: a free one; actors read it from Redis)."""
     bucket_mb: int = Field(256, ge=1)
-    """broadcast: tensors are sent in buckets of about this size (one collective each)."""
+    """broadcast: tensors are sent in buckets of about this size; an actor holds two while relaying."""
     timeout_s: float = Field(120.0, gt=0)
-    """broadcast: every collective fails past this, naming the peer, instead of stalling the run."""
-    backend: Literal["auto", "gloo", "nccl"] = "auto"
-    """broadcast: auto is NCCL when the learner trains on a GPU, else gloo."""
+    """broadcast: a send, a group's start or an actor's word on a send fails past this; an actor silent
+    that long is dropped from the group (it joins again), and the others go on."""
 
 
 class SupervisorConfig(Section):

@@ -1,18 +1,31 @@
-"""The broadcast transport's shared half: the rendezvous between the learner's rank 0 and
-one actor's inference workers, and a weight version's wire format over their group (what
-learner/broadcast.py sends and actors/vllm_ext.py receives). torch is imported lazily, so
-the message schema stays torch-free.
+"""The broadcast transport's shared half: the rendezvous between the learner's rank 0 and the
+actors, and a weight version's wire format down their group (what learner/broadcast.py sends
+and actors/weights.py relays). torch is imported lazily, so the message schema stays torch-free.
 
-Rendezvous: the learner hosts a TCPStore. An actor takes a link number (`joins` counter),
-writes `join/N` (its name and group size), and its workers and the learner build the group
-under the prefix `link/N`: rank 0 the learner, ranks 1.. the actor's workers. One group per
-actor, so an actor that joins late, restarts or dies touches no other actor's group. The
-actor asks for a version by setting `link/N/want`; the learner then sends the newest one,
-so both sides enter the collectives together and a timeout means a dead or hung peer.
+One group for all receivers. The learner hosts a TCPStore. An actor joins by taking a number
+(`JOINS` counter) and writing `join/N` (its name), and leaves by appending its number to the
+leave list. The learner sends each version as a *send* K, written to `send/K` before it starts:
+the epoch (a group), its members in chain order (join numbers) and the version. The group of
+an epoch is built once (rank 0 the learner, rank i the i-th member) and kept for every send
+while the members stay the same; a join, a leave or a failure starts a new epoch. Members
+announce themselves ready for a new epoch (`epoch/E/ready/N`) and build the group once the
+learner says go (`epoch/E/go`: "1", or "0" when a member never came and the epoch is given up).
+
+The version travels down a chain: the learner sends each bucket to rank 1 only, rank i
+receives it from i - 1 and passes it to i + 1 while it writes it. The learner sends each byte
+once whatever the number of actors; each actor receives once and sends once (as NCCL's ring
+broadcast does). Each member then reports the send's outcome (`send/K/got/N` or
+`send/K/failed/N`, and the `send/K/done` counter), so the learner knows who has the version,
+who must build a new group, and who said nothing (dropped: `dropped/N`, after which the actor
+joins again under a new number).
+
+A member beats a heartbeat (`alive/N` counter) from a thread of its own; the learner drops a
+member whose heartbeat stood still for `STALE_S` before it sends, so a dead actor costs the
+others nothing once it has been silent that long, and one timeout when it dies mid-send.
 
 A version on the wire: a header (version, layout bytes, bucket count), the layout (msgpack:
 each tensor's name, dtype, shape, bucket and byte offset; each bucket's size), then the
-buckets: flat uint8 tensors of about `bucket_bytes`, each one broadcast from rank 0.
+buckets: flat uint8 tensors of about `bucket_bytes`.
 """
 
 from __future__ import annotations
@@ -26,6 +39,35 @@ from typing import Any
 import msgpack
 
 ALIGN = 64  # byte offset of every tensor in its bucket: any dtype's view of it is aligned
+JOINS, LEAVES, SENDS = "joins", "leaves", "sends"  # counters
+HEARTBEAT_S = 1.0  # how often a member beats
+POLL_S = 0.05  # how often the store is polled for a key (its own wait logs a warning at each timeout)
+STALE_S = 10.0  # a member whose heartbeat stood still this long is dropped before a send
+
+
+def join_key(n: int) -> str:
+    return f"join/{n}"
+
+
+def leave_key(i: int) -> str:
+    return f"leave/{i}"
+
+
+def dropped_key(n: int) -> str:
+    return f"dropped/{n}"
+
+
+def alive_key(n: int) -> str:
+    return f"alive/{n}"
+
+
+def send_key(k: int, what: str = "", n: int | None = None) -> str:
+    """`send/K` (the plan), or its `done` counter, or member N's `got` / `failed` mark."""
+    return f"send/{k}" + (f"/{what}" if what else "") + (f"/{n}" if n is not None else "")
+
+
+def epoch_key(e: int, what: str, n: int | None = None) -> str:
+    return f"epoch/{e}/{what}" + (f"/{n}" if n is not None else "")
 
 
 def _timeout(seconds: float) -> datetime.timedelta:
@@ -39,16 +81,11 @@ def open_store(host: str, port: int, timeout_s: float, master: bool = False):
     return dist.TCPStore(host, port, is_master=master, timeout=_timeout(timeout_s), wait_for_workers=False)
 
 
-def open_group(store, link: str, rank: int, world: int, backend: str, timeout_s: float):
-    """The group of one link; returns once all `world` ranks have joined (or raises after timeout_s)."""
+def open_group(store, epoch: int, rank: int, world: int, timeout_s: float):
+    """The gloo group of one epoch; returns once all `world` ranks have joined (or raises after timeout_s)."""
     import torch.distributed as dist
 
-    prefixed = dist.PrefixStore(link + "/", store)
-    if backend == "nccl":
-        options = dist.ProcessGroupNCCL.Options()
-        options._timeout = _timeout(timeout_s)
-        return dist.ProcessGroupNCCL(prefixed, rank, world, options)
-    return dist.ProcessGroupGloo(prefixed, rank, world, _timeout(timeout_s))
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"epoch/{epoch}/group/", store), rank, world, _timeout(timeout_s))
 
 
 @dataclasses.dataclass
@@ -91,42 +128,53 @@ def pack(version: int, tensors: Iterable[tuple[str, Any]], bucket_bytes: int, de
     return Packed(version, layout, buckets, sum(sizes))
 
 
-def _broadcast(group, tensor) -> None:
-    group.broadcast(tensor, 0).wait()
-
-
 def send_version(group, packed: Packed) -> None:
+    """Rank 0: the version to rank 1, the head of the chain (each piece queued at once; returns
+    when all of it is sent)."""
     import torch
 
-    device = packed.buckets[0].device
-    _broadcast(group, torch.tensor([packed.version, len(packed.layout), len(packed.buckets)], dtype=torch.int64,
-                                   device=device))
-    _broadcast(group, torch.frombuffer(bytearray(packed.layout), dtype=torch.uint8).to(device))
-    for bucket in packed.buckets:
-        _broadcast(group, bucket)
+    pieces = [torch.tensor([packed.version, len(packed.layout), len(packed.buckets)], dtype=torch.int64),
+              torch.frombuffer(bytearray(packed.layout), dtype=torch.uint8), *packed.buckets]
+    for work in [group.send([piece], 1, 0) for piece in pieces]:
+        work.wait()
 
 
-def receive_version(group, device) -> tuple[int, Iterator[tuple[str, Any]]]:
-    """The version's number, and its tensors as they arrive, bucket by bucket (views into the
-    bucket: the consumer copies what it keeps). The iterator must be run to its end."""
+def relay_version(group, rank: int, world: int) -> tuple[int, list[tuple[str, str, list[int]]], Iterator]:
+    """Rank > 0: the version's number, its layout [(name, dtype, shape)] and its tensors as they
+    arrive from rank - 1 (views into their bucket: the consumer copies what it keeps), each
+    bucket passed on to rank + 1 (unless this rank is the last) while the consumer takes it.
+    The iterator must be run to its end: the ranks after this one wait for every bucket."""
     import torch
 
-    header = torch.empty(3, dtype=torch.int64, device=device)
-    _broadcast(group, header)
+    after = rank + 1 if rank + 1 < world else None
+
+    def relay(tensor):
+        group.recv([tensor], rank - 1, 0).wait()
+        return None if after is None else group.send([tensor], after, 0)
+
+    header = torch.empty(3, dtype=torch.int64)
+    sending = [relay(header)]
     version, layout_bytes, _count = (int(x) for x in header.tolist())
-    raw = torch.empty(layout_bytes, dtype=torch.uint8, device=device)
-    _broadcast(group, raw)
-    layout = msgpack.unpackb(raw.cpu().numpy().tobytes())
+    raw = torch.empty(layout_bytes, dtype=torch.uint8)
+    sending.append(relay(raw))
+    layout = msgpack.unpackb(raw.numpy().tobytes())
 
     def tensors() -> Iterator[tuple[str, Any]]:
         by_bucket: dict[int, list] = {}
         for entry in layout["tensors"]:
             by_bucket.setdefault(entry[3], []).append(entry)
         for index, size in enumerate(layout["buckets"]):
-            bucket = torch.empty(size, dtype=torch.uint8, device=device)
-            _broadcast(group, bucket)
+            bucket = torch.empty(size, dtype=torch.uint8)
+            sending.append(relay(bucket))  # passed on while the consumer takes it
             for name, dtype, shape, _bucket, offset in by_bucket.get(index, []):
                 dt = getattr(torch, dtype)
                 yield name, bucket[offset:offset + math.prod(shape) * dt.itemsize].view(dt).view(shape)
+            while len(sending) > 1:  # at most this bucket's send in flight: two buckets held
+                work = sending.pop(0)
+                if work is not None:
+                    work.wait()
+        for work in sending:
+            if work is not None:
+                work.wait()
 
-    return version, tensors()
+    return version, [(name, dtype, shape) for name, dtype, shape, _b, _o in layout["tensors"]], tensors()

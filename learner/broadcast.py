@@ -1,7 +1,13 @@
-"""The learner's end of the broadcast transport (rank 0): hosts the rendezvous store, builds
-a group with each actor that joins, and sends a link the newest version whenever its actor
-asks (common/weight_sync.py has the protocol). Each link runs in a thread of its own; a
-link whose collective fails or times out is closed and logged, and the others go on."""
+"""The learner's end of the broadcast transport (rank 0): hosts the rendezvous store, keeps the
+members (actors that joined, less those that left or went silent), and sends each new version
+once down one chain through all of them (common/weight_sync.py has the protocol).
+
+One thread does it all, beside training: `publish` only hands it the newest version. For each
+send it first drops members whose heartbeat stood still, starts a new epoch (a new group) when
+the members changed or the last send failed somewhere, sends, then waits for every member's
+outcome: got it, failed (alive: it builds the next group), or nothing within `timeout_s`
+(dropped). A member that joins gets the version being held at the next send, with the
+others relaying it (they already have it and keep what they have)."""
 
 from __future__ import annotations
 
@@ -14,90 +20,187 @@ import uuid
 import msgpack
 
 from common.logs import first_line
-from common.weight_sync import Packed, open_group, open_store, send_version
+from common.weight_sync import (
+    POLL_S,
+    SENDS,
+    STALE_S,
+    Packed,
+    alive_key,
+    dropped_key,
+    epoch_key,
+    join_key,
+    leave_key,
+    open_group,
+    open_store,
+    send_key,
+    send_version,
+)
 
 log = logging.getLogger(__name__)
 
-POLL_S = 0.01  # how often a link looks for its actor's request (a TCPStore key)
+MAX_FAILURES = 3  # sends in a row a member may fail before it is dropped
+LEFT = "left"  # why a member that said it leaves is no longer one
 
 
 class BroadcastSender:
-    def __init__(self, host: str | None, port: int, backend: str, timeout_s: float):
+    def __init__(self, host: str | None, port: int, timeout_s: float):
         self.store = open_store("0.0.0.0", port, timeout_s, master=True)
         self.address = f"{host or socket.gethostname()}:{self.store.port}"
         self.session = uuid.uuid4().hex[:12]  # a restarted learner on the same port is another group
-        self.backend, self.timeout_s = backend, timeout_s
-        self.links: dict[int, str] = {}  # link number -> actor name, while its group is up
-        self.sent = 0  # versions sent, over all links
+        self.timeout_s = timeout_s
+        self.members: dict[int, str] = {}  # join number -> actor name, in chain order
+        self.have: dict[int, int] = {}  # join number -> the newest version it got
+        self.sends = 0  # sends made (each one copy of a version out of this process, to the chain's head)
+        self.bytes_sent = 0  # what they sent: the learner's send volume, whatever the number of actors
+        self.sent = 0  # versions delivered to an actor that did not have them, summed over actors
+        self.last_send_s = 0.0  # the last send's own time (to the chain's head)
+        self.epochs = 0  # groups built
+        self._beats: dict[int, tuple[int, float]] = {}  # join number -> (heartbeat count, when it last moved)
+        self._failures: dict[int, int] = {}  # join number -> sends in a row it failed
+        self._joins = self._leaves = 0  # join and leave entries read so far
+        self._epoch: tuple[int, tuple[int, ...], object] | None = None  # (number, members, group)
         self._current: Packed | None = None
         self._cond = threading.Condition()
         self._closed = threading.Event()
-        self._threads = [threading.Thread(target=self._accept, name="weights-accept", daemon=True)]
-        self._threads[0].start()
+        self._thread = threading.Thread(target=self._run, name="weights-sender", daemon=True)
+        self._thread.start()
 
     def publish(self, packed: Packed, step: int) -> dict:
-        """The version links send from now on (to each actor when it asks); its record, for
-        `WeightStore.announce`."""
+        """The version sent from now on (once to every member, and to each one that joins); its
+        record, for `WeightStore.announce`."""
         with self._cond:
             self._current = packed
             self._cond.notify_all()
         return {"version": packed.version, "step": step, "transport": "broadcast", "nbytes": packed.nbytes,
-                "sha256": "", "address": self.address, "session": self.session, "backend": self.backend}
+                "sha256": "", "address": self.address, "session": self.session}
 
     def close(self, wait_s: float = 5.0) -> None:
-        """End the links and free their groups and the store now: left to the interpreter's
-        exit, gloo's and the store's threads can abort the process ("terminate called without
-        an active exception") and turn a finished learner's exit code 0 into a crash."""
+        """Stop sending and free the group and the store now: left to the interpreter's exit,
+        gloo's and the store's threads can abort the process ("terminate called without an
+        active exception") and turn a finished learner's exit code 0 into a crash."""
         self._closed.set()
         with self._cond:
             self._cond.notify_all()
-        for thread in list(self._threads):
-            thread.join(wait_s)  # a link in the middle of a send ends within weights.timeout_s
+        self._thread.join(wait_s)  # a send under way ends within timeout_s
+        self._epoch = None
         self.store = None
 
-    def _accept(self) -> None:
-        number = 0
+    # -- the sender thread -----------------------------------------------------------------
+    def _run(self) -> None:
         while not self._closed.is_set():
-            if not self.store.check([f"join/{number}"]):
-                time.sleep(POLL_S * 10)
-                continue
-            info = msgpack.unpackb(self.store.get(f"join/{number}"))
-            thread = threading.Thread(target=self._serve, args=(number, info), name=f"weights-link-{number}",
-                                      daemon=True)
-            self._threads.append(thread)
-            thread.start()
-            number += 1
-
-    def _serve(self, number: int, info: dict) -> None:
-        link, actor = f"link/{number}", info["name"]
-        try:
-            group = open_group(self.store, link, 0, info["world"], self.backend, self.timeout_s)
-        except Exception as exc:  # noqa: BLE001 - the actor went away mid-join; it joins again
-            log.warning("actor %s did not complete joining the weight group (%s)", actor, first_line(exc))
-            return
-        self.links[number] = actor
-        log.info("actor %s joined the weight group (link %d, %d workers)", actor, number, info["world"] - 1)
-        want = f"{link}/want"
-        try:
-            while not self._closed.is_set():
-                if not self.store.check([want]):
-                    time.sleep(POLL_S)
+            try:
+                self._admit()
+                packed = self._current
+                if packed is None or all(self.have.get(n, -1) >= packed.version for n in self.members):
+                    with self._cond:
+                        self._cond.wait(POLL_S)
                     continue
-                self.store.delete_key(want)
-                with self._cond:
-                    self._cond.wait_for(lambda: self._current is not None or self._closed.is_set())
-                    packed = self._current
-                if packed is None:
+                self._send(packed)
+            except Exception as exc:  # noqa: BLE001 - the store itself failing: closed under us
+                if self._closed.is_set():
                     return
-                t0 = time.perf_counter()
-                send_version(group, packed)
-                with self._cond:  # links run in threads of their own
-                    self.sent += 1
-                log.info("sent weight version %d to actor %s (%.0f MB in %.2fs)", packed.version, actor,
-                         packed.nbytes / 1e6, time.perf_counter() - t0)
-        except Exception as exc:  # noqa: BLE001 - a dead or hung actor costs its own link only
-            log.warning("weight link to actor %s closed: %s (it joins again when it can)", actor, first_line(exc))
-        finally:
-            self.links.pop(number, None)
-            del group
+                log.warning("weight sender: %s (retrying)", first_line(exc))
+                time.sleep(1.0)
 
+    def _admit(self) -> None:
+        """Read new joins and leaves."""
+        store = self.store
+        while store.check([join_key(self._joins)]):
+            name = msgpack.unpackb(store.get(join_key(self._joins)))["name"]
+            self.members[self._joins] = name
+            self._beats[self._joins] = (-1, time.monotonic())
+            log.info("actor %s joined the weight group (member %d)", name, self._joins)
+            self._joins += 1
+        while store.check([leave_key(self._leaves)]):
+            self._drop(int(store.get(leave_key(self._leaves))), LEFT)
+            self._leaves += 1
+
+    def _check_beats(self) -> None:
+        """Drop members whose heartbeat stood still for STALE_S (read before each send only)."""
+        now = time.monotonic()
+        for n in list(self.members):
+            beats = self.store.add(alive_key(n), 0)
+            count, since = self._beats[n]
+            if beats != count:
+                self._beats[n] = (beats, now)
+            elif now - since > STALE_S:
+                self._drop(n, f"no heartbeat for {now - since:.0f}s")
+
+    def _drop(self, n: int, why: str) -> None:
+        self._failures.pop(n, None)
+        if n in self.members and why == LEFT:
+            log.info("actor %s left the weight group", self.members.pop(n))
+        elif n in self.members:
+            log.warning("actor %s dropped from the weight group: %s", self.members.pop(n), why)
+            self.store.set(dropped_key(n), why.encode())  # a member still alive joins again
+        self.have.pop(n, None)
+        self._beats.pop(n, None)
+
+    def _send(self, packed: Packed) -> None:
+        self._check_beats()
+        members = tuple(self.members)
+        if all(self.have.get(n, -1) >= packed.version for n in members):
+            return  # the ones waiting for it were dropped
+        k = self.store.add(SENDS, 1) - 1
+        self.sends += 1
+        new_epoch = self._epoch is None or self._epoch[1] != members
+        epoch = self.epochs if new_epoch else self._epoch[0]
+        self.store.set(send_key(k), msgpack.packb({"epoch": epoch, "members": list(members),
+                                                   "version": packed.version}))
+        started = time.perf_counter()
+        try:
+            if new_epoch:
+                self._epoch = None
+                self.epochs += 1
+                if not self._gather(epoch, members):
+                    return
+                self._epoch = (epoch, members, open_group(self.store, epoch, 0, 1 + len(members), self.timeout_s))
+            sending = time.perf_counter()
+            send_version(self._epoch[2], packed)
+            self.last_send_s = time.perf_counter() - sending
+            self.bytes_sent += packed.nbytes
+        except Exception as exc:  # noqa: BLE001 - a member died or hung: the outcomes say which
+            log.warning("weight send %d (version %d) failed: %s", k, packed.version, first_line(exc))
+            self._epoch = None
+        self._outcome(k, epoch, members, packed.version, started)
+
+    def _gather(self, epoch: int, members: tuple[int, ...]) -> bool:
+        """Wait for every member of a new epoch to say it is ready, then say go; a member missing
+        after timeout_s is dropped and the epoch given up (False): the next send builds another."""
+        deadline = time.monotonic() + self.timeout_s
+        missing = list(members)
+        while missing and time.monotonic() < deadline and not self._closed.is_set():
+            missing = [n for n in missing if not self.store.check([epoch_key(epoch, "ready", n)])]
+            if missing:
+                time.sleep(POLL_S)
+        self.store.set(epoch_key(epoch, "go"), b"0" if missing else b"1")
+        for n in missing:
+            self._drop(n, f"not ready for a new weight group within {self.timeout_s:.0f}s")
+        return not missing
+
+    def _outcome(self, k: int, epoch: int, members: tuple[int, ...], version: int, started: float) -> None:
+        """Wait up to timeout_s for every member's outcome of send k, and act on it: a member that
+        failed MAX_FAILURES sends in a row is dropped (it joins again if it can)."""
+        deadline = time.monotonic() + self.timeout_s
+        while self.store.add(send_key(k, "done"), 0) < len(members) and time.monotonic() < deadline:
+            if self._closed.is_set():
+                return
+            time.sleep(POLL_S)
+        got = [n for n in members if self.store.check([send_key(k, "got", n)])]
+        failed = [n for n in members if n not in got and self.store.check([send_key(k, "failed", n)])]
+        self.sent += sum(self.have.get(n, -1) < version for n in got)
+        for n in got:
+            self.have[n] = max(self.have.get(n, -1), version)
+            self._failures.pop(n, None)
+        log.info("weight version %d sent to %d of %d actors in %.2fs (group %d)%s", version, len(got), len(members),
+                 time.perf_counter() - started, epoch,
+                 f"; failed at {[self.members.get(n, n) for n in failed]}" if failed else "")
+        if failed:
+            self._epoch = None  # their group is gone: the next send builds a new one
+        for n in failed:
+            self._failures[n] = self._failures.get(n, 0) + 1
+            if self._failures[n] >= MAX_FAILURES:
+                self._drop(n, f"failed {MAX_FAILURES} weight sends in a row")
+        for n in members:
+            if n not in got and n not in failed:
+                self._drop(n, f"no word on weight send {k} within {self.timeout_s:g}s")

@@ -111,13 +111,8 @@ class Learner:
                 os.makedirs(os.path.dirname(path), exist_ok=True)
             self.trainer.save_weights(path, dtype)
             return path
-        device = self.parallel.device if self.weights_backend == "nccl" else torch.device("cpu")
-        return self.trainer.weights_packed(self.state.version, dtype, wcfg.bucket_mb << 20, device)
-
-    @property
-    def weights_backend(self) -> str:
-        backend = self.cfg.weights.backend
-        return backend if backend != "auto" else "nccl" if self.parallel.device.type == "cuda" else "gloo"
+        # In host memory: the sender thread sends from it over gloo while training goes on.
+        return self.trainer.weights_packed(self.state.version, dtype, wcfg.bucket_mb << 20, torch.device("cpu"))
 
     def _op_checkpoint(self, payload: dict) -> Future:
         """payload: the directory and whether to write in the background. One checkpoint in flight:
@@ -250,8 +245,8 @@ class Learner:
                               queue_size=2 * lcfg.groups_per_step, read_count=lcfg.groups_per_step,
                               chunk_bytes=wcfg.chunk_mb << 20, weights_dir=wcfg.dir).start()
         if wcfg.transport == "broadcast":
-            self.sender = BroadcastSender(wcfg.host, wcfg.port, self.weights_backend, wcfg.timeout_s)
-            log.info("weights go by broadcast (%s) from %s", self.weights_backend, self.sender.address)
+            self.sender = BroadcastSender(wcfg.host, wcfg.port, wcfg.timeout_s)
+            log.info("weights go by broadcast from %s", self.sender.address)
         latest = bridge.call(bridge.store.latest, "read the weight version")
         if restored is not None:
             self.state = restored
@@ -343,8 +338,9 @@ class Learner:
             t0 = time.perf_counter()
             self._publish(bridge)
             metrics["learner/time/publish_s"] = time.perf_counter() - t0
-        if self.sender is not None:  # broadcast: actors joined, and versions sent to them so far
-            metrics.update({"weights/links": len(self.sender.links), "weights/sent": self.sender.sent})
+        if self.sender is not None:  # broadcast: members, copies sent out of this process, versions delivered
+            metrics.update({"weights/members": len(self.sender.members), "weights/sends": self.sender.sends,
+                            "weights/sent": self.sender.sent, "weights/groups": self.sender.epochs})
         generated = np.concatenate([s.versions[s.loss_mask.astype(bool)] for g in groups for s in g.samples])
         samples = [s for g in groups for s in g.samples]
         turns = sum(s.num_turns for s in samples)

@@ -41,7 +41,7 @@ def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
     run_dir = tmp_path / "run"
     started = time.monotonic()
     # The default run, plus an evaluation on 16 held-out tasks every 40 versions, with weights
-    # going by broadcast (gloo) straight into the actors' engines.
+    # going by broadcast (one gloo group of the learner and both actors, staged by each actor).
     proc = omrl("run", "--run-dir", str(run_dir), "--set", "learner.eval_every=40", "--set", "learner.eval_tasks=16",
                 "--set", 'weights.transport="broadcast"')
     out, _ = proc.communicate(timeout=patience(150))
@@ -66,6 +66,10 @@ def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
     for log in sorted((run_dir / "logs").glob("actor*.log")):
         assert log.read_text().count("by broadcast") >= 2, log
     assert (run_dir / "logs" / "learner.log").read_text().count("joined the weight group") == 2
+    # One group for both actors: each version left the learner once (more only when one joined).
+    last = rows[-1]
+    assert last["weights/members"] == 2 and last["weights/sends"] <= last["weight_version"] + 4, last
+    assert last["weights/sent"] >= 2 * (last["weight_version"] - 4), last
     assert (run_dir / "metrics.png").stat().st_size > 0
     # Evaluations at the first version, then every 40, reached the learner's step records.
     evals = [r for r in rows if "eval/reward" in r]

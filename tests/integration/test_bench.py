@@ -33,6 +33,7 @@ def test_bench_all_quick_writes_json_plots_and_table(tmp_path):
     check_pipeline_runs(json.loads((tmp_path / "pipeline.json").read_text())["runs"])
     check_weights(json.loads((tmp_path / "weights.json").read_text()))
     check_staleness(json.loads((tmp_path / "staleness.json").read_text()))
+    check_fanout(json.loads((tmp_path / "fanout.json").read_text()))
     table = (tmp_path / "table.md").read_text().splitlines()
     assert table[0].startswith("| benchmark |") and len(table) == 2 + rows
 
@@ -50,8 +51,8 @@ def check_weights(result):
         finite_positive(row)
     assert {(r["transport"], r["figure"]) for r in rows if "transport" in r} == {
         (t, f) for t in ("blob", "dir", "broadcast") for f in ("MB/s", "s")}
-    assert sorted(r["figure"] for r in rows if "transport" not in r) == ["blocked_s", "publish_mb", "tokens_per_s",
-                                                                         "update_s"]
+    assert sorted(r["figure"] for r in rows if "transport" not in r) == ["blocked_s", "publish_file_mb", "publish_mb",
+                                                                         "tokens_per_s", "update_s"]
     points = {p["transport"]: p for p in result["points"]}
     assert set(points) == {"blob", "dir", "broadcast"}
     for p in points.values():
@@ -61,6 +62,12 @@ def check_weights(result):
     shape, runs = result["updates"]["shape"], result["updates"]["runs"]
     assert all(r["applied"] == shape["updates"] and r["tokens"] >= shape["concurrency"] * shape["tokens"]
                for mode in ("interrupt", "drain") for r in runs[mode]), runs
+
+
+def check_fanout(result):
+    """The broadcast's learner sent one version's bytes per version, with 2 receivers as with 1."""
+    sent = [r for r in result["rows"] if "bytes the learner sent" in r["measure"]]
+    assert sent and all(r["ratio"]["min"] == r["ratio"]["max"] == 1.0 for r in sent), sent
 
 
 def test_an_unknown_benchmark_is_refused_with_the_choices():

@@ -1,12 +1,13 @@
 """An actor's weight receiver on its own, as a process, for the broadcast tests:
 
-    python -m tests.integration.weights_receiver REDIS_URL RUN OUT [--model DIR] [--hang]
+    python -m tests.integration.weights_receiver REDIS_URL RUN OUT [--model DIR]
 
-It runs the actor's receiver (`receive_weights` with a `BroadcastLink`) into a real vLLM
-engine (--model: it then writes, for each version applied, the greedy continuation of a
-prompt and its log-probs) or into `TensorEngine`, which stands in for vLLM's worker and
-writes a checksum of each tensor. One JSON line per version to OUT. --hang: the first
-time it is asked for weights, the process stops itself (SIGSTOP) after asking: a hung peer.
+It runs the actor's receiver (`receive_weights` with a `BroadcastLink`: a member of the
+learner's weight group that relays and stages each version) into a real vLLM engine
+(--model: it then writes, for each version applied, the greedy continuation of a prompt and
+its log-probs) or into `TensorEngine`, which loads the staged file and writes a checksum of
+each tensor. One JSON line per version to OUT. SIGTERM: the receiver leaves the group and
+exits; a test stops it (SIGSTOP) to make a hung actor.
 """
 
 from __future__ import annotations
@@ -15,50 +16,26 @@ import argparse
 import asyncio
 import json
 import os
+import shutil
 import signal
+import tempfile
 
 PROMPT = "U: Say e"
 
 
 class TensorEngine:
-    """What vLLM's worker does with a broadcast, minus vLLM: join the group, receive versions."""
+    """What vLLM's worker does with a staged version, minus vLLM: load the file."""
 
-    workers = 1
-
-    def __init__(self, hang: bool = False):
-        self.hang, self.group, self.received = hang, None, {}
-
-    async def join_weights(self, host, port, link, backend, timeout_s):
-        from common.weight_sync import open_group, open_store
-
-        def join():
-            self.group = open_group(open_store(host, port, timeout_s), link, 1, 2, backend, timeout_s)
-
-        await asyncio.to_thread(join)
-
-    async def receive_weights(self) -> int:
-        from common.weight_sync import receive_version
-
-        if self.hang:
-            self.hang = False
-            os.kill(os.getpid(), signal.SIGSTOP)  # asked, then hung: the learner's send must time out
-
-        def receive():
-            version, tensors = receive_version(self.group, "cpu")
-            self.received = {name: float(t.double().sum()) for name, t in tensors}
-            return version
-
-        try:
-            return await asyncio.to_thread(receive)
-        except BaseException:
-            self.group = None
-            raise
+    def __init__(self):
+        self.received = {}
 
     async def load_weights(self, path):
-        raise AssertionError("this test publishes by broadcast only")
+        from safetensors.torch import load_file
+
+        self.received = {name: float(t.double().sum()) for name, t in load_file(path).items()}
 
 
-async def main(url: str, run: str, out: str, model: str | None, hang: bool) -> None:
+async def main(url: str, run: str, out: str, model: str | None) -> None:
     from actors.weights import BroadcastLink, WeightGate, receive_weights
     from broker.connection import connect
     from broker.keys import Keys
@@ -71,10 +48,11 @@ async def main(url: str, run: str, out: str, model: str | None, hang: bool) -> N
         cfg = load_config(None, [f"model.path='{model}'"], environ={})
         engine = VLLMEngine(cfg.model, cfg.actor, model, seed=0)
     else:
-        engine = TensorEngine(hang)
+        engine = TensorEngine()
     store, stop = WeightStore(connect(url), Keys(run)), asyncio.Event()
     gate = WeightGate(0, pause=getattr(engine, "pause", None), resume=getattr(engine, "resume", None))
-    link = BroadcastLink(engine, f"receiver-{os.getpid()}", timeout_s=float(os.environ.get("TIMEOUT_S", "5")))
+    staging = tempfile.mkdtemp(prefix="omrl-receiver-")
+    link = BroadcastLink(f"receiver-{os.getpid()}", staging, timeout_s=float(os.environ.get("TIMEOUT_S", "5")))
     receiver = asyncio.create_task(receive_weights(store, gate, engine.load_weights, 0.2, stop, link=link))
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
     reported = 0
@@ -94,6 +72,8 @@ async def main(url: str, run: str, out: str, model: str | None, hang: bool) -> N
                 f.flush()
             await asyncio.sleep(0.05)
     await receiver
+    link.close()  # leaves the learner's group
+    shutil.rmtree(staging, ignore_errors=True)
     if model:
         engine.shutdown()
 
@@ -104,6 +84,5 @@ if __name__ == "__main__":
     parser.add_argument("run")
     parser.add_argument("out")
     parser.add_argument("--model")
-    parser.add_argument("--hang", action="store_true")
     args = parser.parse_args()
-    asyncio.run(main(args.url, args.run, args.out, args.model, args.hang))
+    asyncio.run(main(args.url, args.run, args.out, args.model))
