@@ -21,6 +21,7 @@ import msgpack
 
 from common.logs import first_line
 from common.weight_sync import (
+    HEARTBEAT_S,
     POLL_S,
     SENDS,
     STALE_S,
@@ -181,11 +182,19 @@ class BroadcastSender:
     def _outcome(self, k: int, epoch: int, members: tuple[int, ...], version: int, started: float) -> None:
         """Wait up to timeout_s for every member's outcome of send k, and act on it: a member that
         failed MAX_FAILURES sends in a row is dropped (it joins again if it can)."""
-        deadline = time.monotonic() + self.timeout_s
-        while self.store.add(send_key(k, "done"), 0) < len(members) and time.monotonic() < deadline:
-            if self._closed.is_set():
-                return
+        deadline, beats = time.monotonic() + self.timeout_s, time.monotonic()
+        while time.monotonic() < deadline and not self._closed.is_set():
+            gone = sum(n not in self.members for n in members)  # dropped meanwhile: no word will come
+            if self.store.add(send_key(k, "done"), 0) + gone >= len(members) and not any(
+                    n in self.members and not self.store.check([send_key(k, "got", n)])
+                    and not self.store.check([send_key(k, "failed", n)]) for n in members):
+                break
+            if time.monotonic() - beats > HEARTBEAT_S:  # a member that died mid-send is dropped at STALE_S
+                self._check_beats()
+                beats = time.monotonic()
             time.sleep(POLL_S)
+        if self._closed.is_set():
+            return
         got = [n for n in members if self.store.check([send_key(k, "got", n)])]
         failed = [n for n in members if n not in got and self.store.check([send_key(k, "failed", n)])]
         self.sent += sum(self.have.get(n, -1) < version for n in got)
@@ -202,5 +211,5 @@ class BroadcastSender:
             if self._failures[n] >= MAX_FAILURES:
                 self._drop(n, f"failed {MAX_FAILURES} weight sends in a row")
         for n in members:
-            if n not in got and n not in failed:
+            if n not in got and n not in failed and n in self.members:
                 self._drop(n, f"no word on weight send {k} within {self.timeout_s:g}s")

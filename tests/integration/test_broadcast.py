@@ -220,6 +220,45 @@ def test_a_hung_actor_is_dropped_and_the_others_get_every_version(redis_url, run
         learner.sender.close()
 
 
+@pytest.mark.timeout(240)
+def test_an_actor_killed_in_the_middle_of_the_chain_costs_the_others_a_heartbeat_not_a_timeout(
+        redis_url, run_name, tmp_path, caplog):
+    """Three actors; the middle one of the chain is SIGKILLed and a version published at once
+    (its heartbeat still fresh): the one after it fails to receive (its peer's socket is gone),
+    the learner drops the dead one when its heartbeat stands still (10 s), far inside the
+    60 s timeout, and the two alive get the version in a new group; so does the next one."""
+    state = {f"layer{i}.weight": torch.randn(256, 1024) for i in range(8)}
+    sums = lambda s: {k: float(v.double().sum()) for k, v in s.items()}  # noqa: E731
+    learner = Learner(redis_url, run_name, timeout_s=60)
+    learner.bucket_bytes = 3 << 20
+    out = tmp_path / "reports.jsonl"
+    learner.publish(1, state)
+    procs = []
+    try:
+        for _ in range(3):  # one at a time: the chain's order is the order they joined in
+            procs.append(start_receiver(redis_url, run_name, out, timeout_s=60))
+            wait_for(out, 1, pid=procs[-1].pid, timeout=60)
+        first, middle, last = procs
+        with caplog.at_level(logging.INFO, logger="learner.broadcast"):
+            middle.kill()
+            started = time.monotonic()
+            state2 = {k: v + 1 for k, v in state.items()}
+            learner.publish(2, state2)
+            for proc in (first, last):
+                assert wait_for(out, 2, pid=proc.pid, timeout=40)["sums"] == pytest.approx(sums(state2))
+            took = time.monotonic() - started
+            assert 5 < took < 40, took  # the heartbeat's 10 s, not the 60 s timeout
+            assert f"actor receiver-{middle.pid} dropped from the weight group: no heartbeat" in caplog.text
+            assert list(learner.sender.members.values()) == [f"receiver-{first.pid}", f"receiver-{last.pid}"]
+            state3 = {k: v + 2 for k, v in state.items()}
+            learner.publish(3, state3)
+            for proc in (first, last):
+                assert wait_for(out, 3, pid=proc.pid, timeout=30)["sums"] == pytest.approx(sums(state3))
+    finally:
+        stop(*procs)
+        learner.sender.close()
+
+
 def test_a_learner_that_never_sends_fails_the_update_and_leaves_the_weights_alone(redis_url, run_name, tmp_path):
     """The actor joins the learner's group and the version never comes: the update fails after
     weights.timeout_s, saying so; the engine's weights were never touched (the gate stays open:
