@@ -32,6 +32,7 @@ from common.weight_sync import (
     HEARTBEAT_S,
     JOINS,
     LEAVES,
+    LOCAL_FAILURE,
     POLL_S,
     SENDS,
     alive_key,
@@ -173,7 +174,8 @@ class BroadcastLink:
         self.address: str | None = None  # the learner's, while a member
         self._stop: threading.Event | None = None
         self._thread: threading.Thread | None = None
-        self._staged: tuple[int, str] | None = None  # the newest version staged, and its file
+        self._staged: tuple[int, str] | None = None  # the newest version staged from this learner, and its file
+        self._staging = threading.Lock()  # around `_staged`: a member thread of a learner left may still end
         self._arrived: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -181,7 +183,9 @@ class BroadcastLink:
         """Become a member of the learner the record names, unless one already."""
         if self.address == _learner(record):
             return
-        self.close()
+        await asyncio.to_thread(self.close)
+        with self._staging:  # another learner (a restart): its numbers say nothing of the one left
+            self._unstage()
         self._loop, self._arrived, self._stop = asyncio.get_running_loop(), asyncio.Event(), threading.Event()
         host, port = record["address"].rsplit(":", 1)
         self._thread = threading.Thread(target=self._member, args=(host, int(port), self._stop),
@@ -206,9 +210,9 @@ class BroadcastLink:
             if left <= 0:
                 raise WeightVersionError(f"version {record['version']} did not arrive from the learner at "
                                          f"{record['address']} within weights.timeout_s ({self.timeout_s:g}s)")
-            self._arrived.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._arrived.wait(), min(left, 1.0))
+            self._arrived.clear()  # before the next look at `_staged`: a version staged meanwhile sets it again
 
     def close(self, wait_s: float = 2.0) -> None:
         """Leave the learner's group: the thread says so to the learner and ends (waited for up
@@ -218,12 +222,23 @@ class BroadcastLink:
             self._thread.join(wait_s)
         self.address = None
 
-    def _stage(self, version: int, path: str) -> None:
-        old, self._staged = self._staged, (version, path)
-        if old is not None:
+    def _stage(self, version: int, path: str, stop: threading.Event) -> None:
+        """`path` holds `version`: the newest staged, unless a newer one is, or this thread's
+        learner was left meanwhile (then the file goes)."""
+        with self._staging:
+            if stop.is_set() or (self._staged is not None and self._staged[0] >= version):
+                os.unlink(path)
+                return
+            self._unstage()
+            self._staged = (version, path)
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: the actor is stopping
+            self._loop.call_soon_threadsafe(self._arrived.set)
+
+    def _unstage(self) -> None:
+        staged, self._staged = self._staged, None
+        if staged is not None:
             with contextlib.suppress(FileNotFoundError):
-                os.unlink(old[1])  # a loader holds its own link
-        self._loop.call_soon_threadsafe(self._arrived.set)
+                os.unlink(staged[1])  # a loader holds its own link
 
     def _member(self, host: str, port: int, stop: threading.Event) -> None:
         """The member's thread: join, beat, and take part in every send that names it, until
@@ -233,9 +248,9 @@ class BroadcastLink:
         while not stop.is_set():
             try:
                 store = open_store(host, port, self.timeout_s)
-                number = store.add(JOINS, 1) - 1
                 first = store.add(SENDS, 0)  # sends before this one were planned without us
-                store.set(join_key(number), msgpack.packb({"name": self.name}))
+                number = store.add(JOINS, 1) - 1
+                store.set(join_key(number), msgpack.packb({"name": self.name}))  # at once: the learner reads in order
                 log.info("joined the learner's weight group at %s:%d (member %d)", host, port, number)
                 beating = threading.Event()
                 threading.Thread(target=_beat, args=(host, port, self.timeout_s, number, beating), daemon=True,
@@ -255,20 +270,20 @@ class BroadcastLink:
         learner dropped it (to join again) or on `stop`."""
         import torch
 
-        from common.models import write_safetensors
         from common.weight_sync import open_group, relay_version
 
         epoch, group = None, None
         while not stop.is_set():
+            if store.check([dropped_key(number)]):  # silent too long, or failing: join again
+                log.warning("the learner dropped this actor from its weight group (%s): joining again",
+                            store.get(dropped_key(number)).decode())
+                return
             if not _until(store, send_key(k), 1.0, stop):
                 continue
             plan = msgpack.unpackb(store.get(send_key(k)))
             this, k = k, k + 1
             if number not in plan["members"]:
-                if store.check([dropped_key(number)]):
-                    log.warning("the learner dropped this actor from its weight group: joining again")
-                    return
-                continue  # planned before this member joined: the next send names it
+                continue  # planned before this member joined (the next send names it), or it was dropped
             rank, world = 1 + plan["members"].index(number), 1 + len(plan["members"])
             try:
                 if plan["epoch"] != epoch:
@@ -282,19 +297,48 @@ class BroadcastLink:
                     group = open_group(store, plan["epoch"], rank, world, self.timeout_s)
                     epoch = plan["epoch"]
                 version, layout, tensors = relay_version(group, rank, world)
-                if self._staged is None or version > self._staged[0]:
+                staged = self._staged
+                if staged is None or version > staged[0]:
                     path = os.path.join(self.directory, f"broadcast-v{version}.safetensors")
-                    write_safetensors(path, [(name, shape, getattr(torch, dtype)) for name, dtype, shape in layout],
-                                      tensors)
-                    self._stage(version, path)
+                    _write_relayed(path, [(name, shape, getattr(torch, dtype)) for name, dtype, shape in layout],
+                                   tensors)
+                    self._stage(version, path, stop)
                 else:
                     collections.deque(tensors, maxlen=0)  # passed on only: this member has it
                 store.set(send_key(this, "got", number), b"1")
+            except _StagingError as exc:  # relayed whole, not kept here: the group stands
+                log.warning("weight send %d: %s", this, first_line(exc))
+                store.set(send_key(this, "failed", number), LOCAL_FAILURE)
             except Exception as exc:  # noqa: BLE001 - a peer died or hung: the next send builds a new group
                 log.warning("weight send %d failed here: %s", this, first_line(exc))
                 epoch, group = None, None
-                store.set(send_key(this, "failed", number), b"1")
+                store.set(send_key(this, "failed", number), b"chain")
             store.add(send_key(this, "done"), 1)
+
+
+class _StagingError(RuntimeError):
+    """The version came down the chain whole but could not be written here (a full disk)."""
+
+
+def _write_relayed(path: str, layout: list, tensors) -> None:
+    """The relayed tensors into a safetensors file at `path`. If writing fails here, every
+    bucket is still taken from the chain (the members after this one wait for each), the
+    partial file goes and `_StagingError` says why; a failure of the chain itself (the
+    generator raising) goes up as it is."""
+    import inspect
+
+    from common.models import write_safetensors
+
+    try:
+        write_safetensors(path, layout, tensors)
+    except Exception as exc:
+        with contextlib.suppress(OSError):  # never written, or not even a place to write
+            os.unlink(path)
+        if inspect.getgeneratorstate(tensors) == inspect.GEN_CLOSED:
+            raise  # the chain failed: the generator raised
+        collections.deque(tensors, maxlen=0)
+        raise _StagingError(f"the version could not be staged in {path} ({first_line(exc)}); relayed all the same") \
+            from exc
 
 
 def _until(store, key: str, timeout_s: float, stop: threading.Event) -> bool:
@@ -308,13 +352,18 @@ def _until(store, key: str, timeout_s: float, stop: threading.Event) -> bool:
 
 
 def _beat(host: str, port: int, timeout_s: float, number: int, stop: threading.Event) -> None:
-    """A member's heartbeat, on a store connection of its own (the member's may be in a send)."""
+    """A member's heartbeat, on a store connection of its own (the member's may be in a send);
+    connected again after a failure, which it logs."""
     from common.weight_sync import open_store
 
-    with contextlib.suppress(Exception):  # the learner is gone: the member notices and joins again
-        store = open_store(host, port, timeout_s)
-        while not stop.wait(HEARTBEAT_S):
+    store = None
+    while not stop.wait(HEARTBEAT_S):
+        try:
+            store = store or open_store(host, port, timeout_s)
             store.add(alive_key(number), 1)
+        except Exception as exc:  # noqa: BLE001 - the learner may be gone: the member notices and joins again
+            log.warning("weight group heartbeat: %s", first_line(exc))
+            store = None
 
 
 def _learner(record: dict) -> str:

@@ -162,7 +162,7 @@ class Actor:
                     loops = [tg.create_task(self._group_loop()) for _ in range(cfg.actor.concurrent_groups)]
                     tg.create_task(self._drain(loops, flusher))
         finally:
-            self.link.close()  # leaves the learner's weight group, if a member
+            await asyncio.to_thread(self.link.close)  # leaves the learner's weight group, if a member
             await client.aclose()
             self.engine.shutdown()
             shutil.rmtree(self.weights_dir, ignore_errors=True)

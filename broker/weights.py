@@ -23,6 +23,7 @@ import contextlib
 import hashlib
 import logging
 import os
+import shutil
 import tempfile
 import time
 import uuid
@@ -70,20 +71,17 @@ class WeightStore:
 
     async def publish(self, version: int, step: int, blob: bytes | str) -> dict[str, Any]:
         """The blob transport: the bytes in Redis chunks, or a file in `directory`; then the record.
-        `blob`: the bytes, or the path of a file holding them (`STAGING`), which is moved into
-        `directory` or read a chunk at a time into Redis and deleted: then publishing holds one
-        chunk, never the version's bytes."""
+        `blob`: the bytes, or the path of a file holding them (`STAGING`), linked into `directory`
+        or read into Redis a chunk at a time, and deleted once the record is out: publishing holds
+        one chunk, never the version's bytes, and a call repeated after a Redis fault finds the
+        file where it was."""
         from_file = isinstance(blob, str)
         nbytes = await asyncio.to_thread(os.path.getsize, blob) if from_file else len(blob)
         digest = await asyncio.to_thread(_file_sha256 if from_file else _sha256, blob)
         record = {"version": version, "step": step, "nbytes": nbytes, "sha256": digest}
         if self.directory:
             path = os.path.join(self.directory, f"v{version}.safetensors")
-            if from_file:
-                await asyncio.to_thread(os.makedirs, self.directory, exist_ok=True)
-                await asyncio.to_thread(os.replace, blob, path)
-            else:
-                await asyncio.to_thread(_write_atomic, path, blob)
+            await asyncio.to_thread(_link_atomic if from_file else _write_atomic, path, blob)
             record.update(transport="dir", path=path)
         else:
             # A value over proto-max-bulk-len makes the server drop the connection: chunks stay under it.
@@ -93,10 +91,11 @@ class WeightStore:
                 for i in range(chunks):
                     chunk = await asyncio.to_thread(source.read, size) if from_file else source[i * size:(i + 1) * size]
                     await self.client.set(self.keys.weights_chunk(version, i), chunk)
-            if from_file:
-                os.unlink(blob)
             record.update(transport="redis", chunks=chunks)
-        return await self.announce(record)
+        record = await self.announce(record)
+        if from_file:
+            os.unlink(blob)
+        return record
 
     async def announce(self, record: dict[str, Any]) -> dict[str, Any]:
         """Make `record` the newest version (its bytes already where it says), forget the bytes of
@@ -196,6 +195,20 @@ def _file_sha256(path: str) -> str:
 def _write_and_hash(f, hasher, chunk: bytes) -> None:
     f.write(chunk)
     hasher.update(chunk)
+
+
+def _link_atomic(path: str, source: str) -> None:
+    """`source`'s file under `path` too (a hard link, same filesystem), replacing what was there;
+    renamed in where links are refused."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    try:
+        os.link(source, tmp)
+    except OSError:  # a filesystem without hard links
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, path)
 
 
 def _write_atomic(path: str, blob: bytes) -> None:

@@ -42,6 +42,7 @@ ALIGN = 64  # byte offset of every tensor in its bucket: any dtype's view of it 
 JOINS, LEAVES, SENDS = "joins", "leaves", "sends"  # counters
 HEARTBEAT_S = 1.0  # how often a member beats
 POLL_S = 0.05  # how often the store is polled for a key (its own wait logs a warning at each timeout)
+LOCAL_FAILURE = b"local"  # a member's failed mark when it relayed the version but could not stage it
 STALE_S = 10.0  # a member whose heartbeat stood still this long is dropped before a send
 
 

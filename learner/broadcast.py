@@ -22,6 +22,9 @@ import msgpack
 from common.logs import first_line
 from common.weight_sync import (
     HEARTBEAT_S,
+    JOINS,
+    LEAVES,
+    LOCAL_FAILURE,
     POLL_S,
     SENDS,
     STALE_S,
@@ -41,6 +44,7 @@ log = logging.getLogger(__name__)
 
 MAX_FAILURES = 3  # sends in a row a member may fail before it is dropped
 LEFT = "left"  # why a member that said it leaves is no longer one
+HOLE_S = 10.0  # a join or leave whose number was taken but whose entry never came is skipped after this
 
 
 class BroadcastSender:
@@ -50,7 +54,7 @@ class BroadcastSender:
         self.session = uuid.uuid4().hex[:12]  # a restarted learner on the same port is another group
         self.timeout_s = timeout_s
         self.members: dict[int, str] = {}  # join number -> actor name, in chain order
-        self.have: dict[int, int] = {}  # join number -> the newest version it got
+        self.have: dict[int, int] = {}  # join number -> the newest version it got (or could not keep)
         self.sends = 0  # sends made (each one copy of a version out of this process, to the chain's head)
         self.bytes_sent = 0  # what they sent: the learner's send volume, whatever the number of actors
         self.sent = 0  # versions delivered to an actor that did not have them, summed over actors
@@ -58,7 +62,10 @@ class BroadcastSender:
         self.epochs = 0  # groups built
         self._beats: dict[int, tuple[int, float]] = {}  # join number -> (heartbeat count, when it last moved)
         self._failures: dict[int, int] = {}  # join number -> sends in a row it failed
-        self._joins = self._leaves = 0  # join and leave entries read so far
+        self._read = {JOINS: 0, LEAVES: 0}  # join and leave entries read so far
+        self._holes: dict[tuple[str, int], float] = {}  # (list, number) -> since when its entry is missing
+        self._lock = threading.Lock()  # around changes to `members` (read from other threads)
+        self._last_send: tuple[int, tuple[int, ...]] | None = None  # its keys are deleted after the next one
         self._epoch: tuple[int, tuple[int, ...], object] | None = None  # (number, members, group)
         self._current: Packed | None = None
         self._cond = threading.Condition()
@@ -75,14 +82,19 @@ class BroadcastSender:
         return {"version": packed.version, "step": step, "transport": "broadcast", "nbytes": packed.nbytes,
                 "sha256": "", "address": self.address, "session": self.session}
 
-    def close(self, wait_s: float = 5.0) -> None:
+    def member_names(self) -> list[str]:
+        """The members' names in chain order (a copy: the sender thread changes them)."""
+        with self._lock:
+            return list(self.members.values())
+
+    def close(self) -> None:
         """Stop sending and free the group and the store now: left to the interpreter's exit,
         gloo's and the store's threads can abort the process ("terminate called without an
         active exception") and turn a finished learner's exit code 0 into a crash."""
         self._closed.set()
         with self._cond:
             self._cond.notify_all()
-        self._thread.join(wait_s)  # a send under way ends within timeout_s
+        self._thread.join(self.timeout_s + 1)  # a send under way ends within timeout_s
         self._epoch = None
         self.store = None
 
@@ -105,16 +117,32 @@ class BroadcastSender:
 
     def _admit(self) -> None:
         """Read new joins and leaves."""
-        store = self.store
-        while store.check([join_key(self._joins)]):
-            name = msgpack.unpackb(store.get(join_key(self._joins)))["name"]
-            self.members[self._joins] = name
-            self._beats[self._joins] = (-1, time.monotonic())
-            log.info("actor %s joined the weight group (member %d)", name, self._joins)
-            self._joins += 1
-        while store.check([leave_key(self._leaves)]):
-            self._drop(int(store.get(leave_key(self._leaves))), LEFT)
-            self._leaves += 1
+        for number, raw in self._entries(JOINS, join_key):
+            name = msgpack.unpackb(raw)["name"]
+            with self._lock:
+                self.members[number] = name
+            self._beats[number] = (-1, time.monotonic())
+            log.info("actor %s joined the weight group (member %d)", name, number)
+        for _, raw in self._entries(LEAVES, leave_key):
+            self._drop(int(raw), LEFT)
+
+    def _entries(self, counter: str, key) -> list[tuple[int, bytes]]:
+        """The new entries of a numbered list (`join/N`, `leave/N`), in order. A number taken
+        (the counter is past it) whose entry never came, its actor having died between the
+        two, is skipped after HOLE_S, so it does not hold up every entry after it."""
+        found, store = [], self.store
+        while True:
+            i = self._read[counter]
+            if store.check([key(i)]):
+                found.append((i, store.get(key(i))))
+            elif store.add(counter, 0) <= i:
+                return found  # nothing taken past what was read
+            elif time.monotonic() - self._holes.setdefault((counter, i), time.monotonic()) > HOLE_S:
+                log.warning("%s entry %d never came (its actor died while taking it): skipped", counter, i)
+            else:
+                return found
+            self._holes.pop((counter, i), None)
+            self._read[counter] = i + 1
 
     def _check_beats(self) -> None:
         """Drop members whose heartbeat stood still for STALE_S (read before each send only)."""
@@ -129,10 +157,12 @@ class BroadcastSender:
 
     def _drop(self, n: int, why: str) -> None:
         self._failures.pop(n, None)
-        if n in self.members and why == LEFT:
-            log.info("actor %s left the weight group", self.members.pop(n))
-        elif n in self.members:
-            log.warning("actor %s dropped from the weight group: %s", self.members.pop(n), why)
+        with self._lock:
+            name = self.members.pop(n, None)
+        if name is not None and why == LEFT:
+            log.info("actor %s left the weight group", name)
+        elif name is not None:
+            log.warning("actor %s dropped from the weight group: %s", name, why)
             self.store.set(dropped_key(n), why.encode())  # a member still alive joins again
         self.have.pop(n, None)
         self._beats.pop(n, None)
@@ -197,6 +227,9 @@ class BroadcastSender:
             return
         got = [n for n in members if self.store.check([send_key(k, "got", n)])]
         failed = [n for n in members if n not in got and self.store.check([send_key(k, "failed", n)])]
+        # A member that could not stage the version (its own disk) relayed it all the same: no new group.
+        chain = [n for n in failed if self.store.get(send_key(k, "failed", n)) != LOCAL_FAILURE]
+        self._forget_send(k, members)
         self.sent += sum(self.have.get(n, -1) < version for n in got)
         for n in got:
             self.have[n] = max(self.have.get(n, -1), version)
@@ -204,12 +237,24 @@ class BroadcastSender:
         log.info("weight version %d sent to %d of %d actors in %.2fs (group %d)%s", version, len(got), len(members),
                  time.perf_counter() - started, epoch,
                  f"; failed at {[self.members.get(n, n) for n in failed]}" if failed else "")
-        if failed:
+        if chain:
             self._epoch = None  # their group is gone: the next send builds a new one
         for n in failed:
+            if n not in chain:  # it could not keep this version: not sent it again, the next one is tried
+                self.have[n] = max(self.have.get(n, -1), version)
             self._failures[n] = self._failures.get(n, 0) + 1
             if self._failures[n] >= MAX_FAILURES:
                 self._drop(n, f"failed {MAX_FAILURES} weight sends in a row")
         for n in members:
             if n not in got and n not in failed and n in self.members:
                 self._drop(n, f"no word on weight send {k} within {self.timeout_s:g}s")
+
+    def _forget_send(self, k: int, members: tuple[int, ...]) -> None:
+        """Delete the store's keys of the send before k: every member has read past it (they take
+        sends in order, and k's outcome is in), so the store does not grow with the run."""
+        last, self._last_send = self._last_send, (k, members)
+        if last is not None:
+            old, named = last
+            for key in [send_key(old), send_key(old, "done"), *(send_key(old, what, n) for n in named
+                                                               for what in ("got", "failed"))]:
+                self.store.delete_key(key)

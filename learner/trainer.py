@@ -317,7 +317,11 @@ class Trainer:
             return 0
         layout = [(name[len(PREFIX):], shape, dt) for name, shape, dt in self.parallel.layout(self.scorer, dtype)
                   if name.startswith(PREFIX)]
-        return write_safetensors(path, layout, tensors)
+        try:
+            return write_safetensors(path, layout, tensors)
+        except BaseException:
+            collections.deque(tensors, maxlen=0)  # the other ranks' gathers wait for this rank's
+            raise
 
     def weights_packed(self, version: int, dtype: torch.dtype, bucket_bytes: int, device) -> Packed | None:
         """The weights in buckets for the broadcast transport, in the actors' `dtype` on `device`

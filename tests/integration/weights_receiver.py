@@ -7,7 +7,8 @@ learner's weight group that relays and stages each version) into a real vLLM eng
 (--model: it then writes, for each version applied, the greedy continuation of a prompt and
 its log-probs) or into `TensorEngine`, which loads the staged file and writes a checksum of
 each tensor. One JSON line per version to OUT. SIGTERM: the receiver leaves the group and
-exits; a test stops it (SIGSTOP) to make a hung actor.
+exits; a test stops it (SIGSTOP) to make a hung actor. STAGING_DIR: where it stages versions
+(a test gives one it cannot write to).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ async def main(url: str, run: str, out: str, model: str | None) -> None:
         engine = TensorEngine()
     store, stop = WeightStore(connect(url), Keys(run)), asyncio.Event()
     gate = WeightGate(0, pause=getattr(engine, "pause", None), resume=getattr(engine, "resume", None))
-    staging = tempfile.mkdtemp(prefix="omrl-receiver-")
+    staging = os.environ.get("STAGING_DIR") or tempfile.mkdtemp(prefix="omrl-receiver-")  # a test's unwritable one
     link = BroadcastLink(f"receiver-{os.getpid()}", staging, timeout_s=float(os.environ.get("TIMEOUT_S", "5")))
     receiver = asyncio.create_task(receive_weights(store, gate, engine.load_weights, 0.2, stop, link=link))
     asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
@@ -73,7 +74,8 @@ async def main(url: str, run: str, out: str, model: str | None) -> None:
             await asyncio.sleep(0.05)
     await receiver
     link.close()  # leaves the learner's group
-    shutil.rmtree(staging, ignore_errors=True)
+    if not os.environ.get("STAGING_DIR"):
+        shutil.rmtree(staging, ignore_errors=True)
     if model:
         engine.shutdown()
 
