@@ -114,6 +114,7 @@ async def _measure(url: str, count: int, repeats: int, tensors: int, bucket: int
                 report = msgpack.unpackb(reply[1])
                 if report["version"] == version:
                     loaded.append(report["loaded"])
+            sender.settled(600)  # its counters final for this version
             if version > 1:
                 runs.append({"learner_send_s": sender.last_send_s, "bytes": sender.bytes_sent - nbytes,
                              "sends": sender.sends - sends, "all_loaded_s": max(loaded) - started})

@@ -570,7 +570,9 @@ def measure_model(runner: asyncio.Runner, url: str, model: Model, actors: int, r
         checksum_s = time.perf_counter() - started  # what publish and fetch spend on it (blob, dir)
         peak_rss = receivers.peak_rss_mb()
         redis_peak = int(runner.run(client.info("memory"))["used_memory_peak"])
-        sent = transports["broadcast"].sender.sent
+        sender = transports["broadcast"].sender
+        sender.settled(STEP_TIMEOUT_S)  # the actors applied the last version before the sender read their word
+        sent = sender.sent
     finally:
         if receivers is not None:
             receivers.stop()

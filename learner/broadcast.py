@@ -66,6 +66,7 @@ class BroadcastSender:
         self._holes: dict[tuple[str, int], float] = {}  # (list, number) -> since when its entry is missing
         self._lock = threading.Lock()  # around changes to `members` (read from other threads)
         self._last_send: tuple[int, tuple[int, ...]] | None = None  # its keys are deleted after the next one
+        self._sending = False  # a send (plan, group, transfer, outcomes) under way
         self._epoch: tuple[int, tuple[int, ...], object] | None = None  # (number, members, group)
         self._current: Packed | None = None
         self._cond = threading.Condition()
@@ -81,6 +82,20 @@ class BroadcastSender:
             self._cond.notify_all()
         return {"version": packed.version, "step": step, "transport": "broadcast", "nbytes": packed.nbytes,
                 "sha256": "", "address": self.address, "session": self.session}
+
+    def settled(self, timeout_s: float) -> bool:
+        """Whether, within timeout_s, no send is under way and every member has the newest
+        version (or could not keep it): the counters are then final for it. An actor applies
+        a version before the learner has read its word on it."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            packed = self._current
+            with self._lock:
+                members = list(self.members)
+            if not self._sending and (packed is None or all(self.have.get(n, -1) >= packed.version for n in members)):
+                return True
+            time.sleep(POLL_S)
+        return False
 
     def member_names(self) -> list[str]:
         """The members' names in chain order (a copy: the sender thread changes them)."""
@@ -108,7 +123,11 @@ class BroadcastSender:
                     with self._cond:
                         self._cond.wait(POLL_S)
                     continue
-                self._send(packed)
+                self._sending = True
+                try:
+                    self._send(packed)
+                finally:
+                    self._sending = False
             except Exception as exc:  # noqa: BLE001 - the store itself failing: closed under us
                 if self._closed.is_set():
                     return

@@ -142,6 +142,7 @@ def test_versions_reach_real_vllm_engines_and_a_late_joiner_gets_the_current_one
         for out in (out_a, out_b):
             got = wait_for(out, 2)
             np.testing.assert_allclose(got["logprobs"], hf_logprobs(model, prompt, got["tokens"]), atol=2e-3)
+        assert learner.sender.settled(30)  # the actors' word on version 2 is in
         assert sorted(learner.sender.member_names()) == sorted([f"receiver-{a.pid}", f"receiver-{b.pid}"])
         # v1 to A, v1 again to A and B (A relays it), v2 to both: 3 sends, 4 versions delivered.
         assert (learner.sender.sends, learner.sender.sent) == (3, 4)
@@ -168,12 +169,14 @@ def test_one_copy_leaves_the_learner_whatever_the_number_of_actors(redis_url, ru
         for proc in procs:
             wait_for(out, 1, pid=proc.pid, timeout=60)
         sender = learner.sender
+        assert sender.settled(30)
         sends, sent, nbytes, groups = sender.sends, sender.sent, sender.bytes_sent, sender.epochs
         for version in (2, 3):
             state = {k: v + version for k, v in state.items()}
             learner.publish(version, state)
             for proc in procs:
                 assert wait_for(out, version, pid=proc.pid, timeout=60)["sums"] == pytest.approx(sums(state))
+        assert sender.settled(30)
         size = sum(v.numel() * 4 for v in state.values())
         assert (sender.sends - sends, sender.sent - sent, sender.epochs) == (2, 6, groups)
         assert size <= (sender.bytes_sent - nbytes) / 2 < size + 64 * len(state)  # tensors 64-byte aligned
