@@ -100,6 +100,11 @@ def hf_logprobs(model, prompt: list[int], tokens: list[int]) -> np.ndarray:
     return np.array([logp[len(prompt) - 1 + i, t].item() for i, t in enumerate(tokens)])
 
 
+def sums(state: dict) -> dict:
+    """Each tensor's sum: what a receiver reports of the version it loaded."""
+    return {k: float(v.double().sum()) for k, v in state.items()}
+
+
 def members(sender, count: int, timeout: float = 60.0) -> list[str]:
     """The sender's members' names once there are `count` of them."""
     deadline = time.monotonic() + timeout
@@ -159,7 +164,6 @@ def test_one_copy_leaves_the_learner_whatever_the_number_of_actors(redis_url, ru
     leaves the learner once (to the head of the chain) and reaches all three whole; the
     learner's send volume is one version a version, in the group it built once."""
     state = {f"layer{i}.weight": torch.randn(256, 1024) for i in range(8)}  # 8 MB: several buckets
-    sums = lambda s: {k: float(v.double().sum()) for k, v in s.items()}  # noqa: E731
     learner = Learner(redis_url, run_name, timeout_s=20)
     learner.bucket_bytes = 3 << 20
     out = tmp_path / "reports.jsonl"
@@ -193,7 +197,6 @@ def test_a_hung_actor_is_dropped_and_the_others_get_every_version(redis_url, run
     version 3. Woken, H finds itself dropped, joins again and gets the current version (3),
     never 2."""
     state = {f"layer{i}.weight": torch.randn(1024, 1024) for i in range(16)}
-    sums = lambda s: {k: float(v.double().sum()) for k, v in s.items()}  # noqa: E731
     learner = Learner(redis_url, run_name, timeout_s=3)
     out = tmp_path / "reports.jsonl"
     learner.publish(1, state)
@@ -232,7 +235,6 @@ def test_an_actor_killed_in_the_middle_of_the_chain_costs_the_others_a_heartbeat
     the learner drops the dead one when its heartbeat stands still (10 s), far inside the
     60 s timeout, and the two alive get the version in a new group; so does the next one."""
     state = {f"layer{i}.weight": torch.randn(256, 1024) for i in range(8)}
-    sums = lambda s: {k: float(v.double().sum()) for k, v in s.items()}  # noqa: E731
     learner = Learner(redis_url, run_name, timeout_s=60)
     learner.bucket_bytes = 3 << 20
     out = tmp_path / "reports.jsonl"
@@ -272,7 +274,6 @@ def test_an_actor_that_cannot_stage_still_relays_and_a_join_never_written_holds_
     the chain, gets every one whole, in the same group: no new group for a local failure),
     and after three such failures it is dropped."""
     state = {f"layer{i}.weight": torch.randn(256, 1024) for i in range(8)}
-    sums = lambda s: {k: float(v.double().sum()) for k, v in s.items()}  # noqa: E731
     learner = Learner(redis_url, run_name, timeout_s=20)
     learner.bucket_bytes = 3 << 20
     out = tmp_path / "reports.jsonl"
@@ -314,7 +315,6 @@ def test_a_restarted_learner_s_version_is_loaded_not_one_the_old_learner_sent_be
     the new learner (another address and session) publishes its own version 2: the actor
     loads the new learner's weights, not the version 2 it staged from the old one."""
     state = {f"layer{i}.weight": torch.randn(256, 1024) for i in range(4)}
-    sums = lambda s: {k: float(v.double().sum()) for k, v in s.items()}  # noqa: E731
     old = Learner(redis_url, run_name, timeout_s=20)
     out = tmp_path / "reports.jsonl"
     old.publish(1, state)
