@@ -14,8 +14,12 @@ moments in its optimizer step; the second holds them from its start, as every la
 does. After the second, a checkpoint as the learner writes one (`Trainer.save_checkpoint`,
 background: each rank copies its shards of the model and AdamW state, then writes them from
 a thread over a gloo group of their own; rank 0 then names the directory: `finish`), and
-steps 3 and 4. Learner config: the defaults, with learner.parallel = "fsdp2" and
-learner.device = "cpu" (fp32, 1 torch thread per rank).
+steps 3 and 4. Learner config: the defaults, with learner.parallel = "fsdp2",
+learner.device = "cpu" (fp32, 1 torch thread per rank) and learner.gradient_checkpointing on,
+as `omrl run` sets it for a real-size model; the embedding and output layer split by
+vocabulary across the ranks (learner.vocab_parallel, the default). Baselines in the same run,
+steps 1 and 2: the two gathered whole by FSDP2 (vocab_parallel = false), and no gradient
+checkpointing (the learner's own default, which this batch's activations decide).
 
 The same run then goes on on 1 rank from the step-2 checkpoint (step 3, a checkpoint) and
 on 2 ranks again from that one (step 4): after each step every run records the squared norm
@@ -73,6 +77,7 @@ MODEL = {"hidden_size": 896, "num_hidden_layers": 24, "num_attention_heads": 14,
 QUICK = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 2, "num_key_value_heads": 1,
          "intermediate_size": 256, "vocab_size": 4096, "tie_word_embeddings": True}
 BATCH = Shape(groups=1, max_len=128, batches=1, min_len=64)  # 8 sequences of 64-128 tokens
+AS_RUN = ("--set", "gradient_checkpointing=true")  # what `omrl run` gives a real-size model (REAL_MODEL)
 PHASES = ("setup", "load", "trainer", "step1", "step2")  # "start" is the first three
 PEAKS = {"start_peak": "at start (process group, sharded load, wrap, AdamW)",
          "step1_peak": "during the first train_step (AdamW's moments allocated in it)",
@@ -153,6 +158,7 @@ def rank_main() -> None:
     p.add_argument("--save", type=int, help="checkpoint after this step, into OUT/TAG-checkpoint")
     p.add_argument("--resume", help="a checkpoint directory to start from")
     p.add_argument("--keep-freed", action="store_true", help="learner.return_freed_memory = false (glibc's default)")
+    p.add_argument("--set", action="append", default=[], help="a learner config field, as FIELD=JSON")
     args = p.parse_args()
 
     import torch
@@ -164,12 +170,13 @@ def rank_main() -> None:
     from learner.host_memory import return_freed_memory
     from learner.trainer import REFERENCE_DTYPE, Trainer
 
-    cfg = LearnerConfig(parallel="fsdp2", device="cpu", return_freed_memory=not args.keep_freed)
+    cfg = LearnerConfig(parallel="fsdp2", device="cpu", return_freed_memory=not args.keep_freed,
+                        **{k: json.loads(v) for k, v in (s.split("=", 1) for s in args.set)})
     phases: dict[str, dict] = {}
     # As Learner.run: process group, seed, threads, the allocator, the reference (if kl_coef > 0), the
     # model, the Trainer.
     with Phase(phases, "setup"):
-        parallel = setup(cfg.parallel, cfg.device, cfg.precision)
+        parallel = setup(cfg.parallel, cfg.device, cfg.precision, cfg.vocab_parallel)
         torch.manual_seed(cfg.seed)
         torch.set_num_threads(cfg.threads)
         return_freed_memory(cfg.return_freed_memory)
@@ -252,13 +259,17 @@ def run(quick: bool, device: str = "cpu") -> dict:
                                                                      LearnerConfig().checkpoint_every)
         files = sorted(f.name for f in Path(model_dir).glob("*.safetensors"))
         # The same run on 2 ranks, then on 1 from 2's checkpoint, then on 2 again from 1's.
-        ranks = launch(model_dir, out, timeout, "two", RANKS, "--last", "4", "--save", "2")
+        ranks = launch(model_dir, out, timeout, "two", RANKS, "--last", "4", "--save", "2", *AS_RUN)
         # The baseline for the allocator: the same steps, freed memory kept as glibc keeps it by default.
-        kept = launch(model_dir, out, timeout, "kept", RANKS, "--last", "4", "--keep-freed")
+        kept = launch(model_dir, out, timeout, "kept", RANKS, "--last", "4", "--keep-freed", *AS_RUN)
+        # The baselines for the vocabulary split and for gradient checkpointing: steps 1 and 2 without each.
+        gathered = launch(model_dir, out, timeout, "gathered", RANKS, "--last", "2", *AS_RUN,
+                          "--set", "vocab_parallel=false")
+        plain = launch(model_dir, out, timeout, "plain", RANKS, "--last", "2")
         one = launch(model_dir, out, timeout, "one", 1, "--first", "3", "--last", "3", "--save", "3",
-                     "--resume", str(out / "two-checkpoint" / "step-00000002"))[0]
+                     "--resume", str(out / "two-checkpoint" / "step-00000002"), *AS_RUN)[0]
         again = launch(model_dir, out, timeout, "again", RANKS, "--first", "4", "--last", "4",
-                       "--resume", str(out / "one-checkpoint" / "step-00000003"))
+                       "--resume", str(out / "one-checkpoint" / "step-00000003"), *AS_RUN)
     full = BYTES_PER_PARAM * params
     rows = []
     for r in ranks:
@@ -267,6 +278,23 @@ def run(quick: bool, device: str = "cpu") -> dict:
                                     f"{BYTES_PER_PARAM} B x {params / 1e6:.1f}M params (one full fp32 params + "
                                     f"grads + AdamW copy; lower is better, goal {GOAL})",
                          "system": float(r[key]), "baseline": float(full), "ratio": spread([r[key] / full])})
+    for r, base in zip(ranks, gathered):
+        rows.append({"measure": f"rank {r['rank']} of {RANKS}: peak RSS bytes during the second train_step, the "
+                                f"embedding and output layer split by vocabulary (learner.vocab_parallel, the default) "
+                                f"/ gathered whole by FSDP2 (vocab_parallel = false) (lower is better)",
+                     "system": float(r["step2_peak"]), "baseline": float(base["step2_peak"]),
+                     "ratio": spread([r["step2_peak"] / base["step2_peak"]])})
+        rows.append({"measure": f"rank {r['rank']} of {RANKS}, embedding and output layer gathered whole "
+                                f"(learner.vocab_parallel = false): peak RSS bytes during the second train_step / one "
+                                f"full copy (info: what the split saves)",
+                     "system": float(base["step2_peak"]), "baseline": float(full),
+                     "ratio": spread([base["step2_peak"] / full])})
+    for r in plain:
+        rows.append({"measure": f"rank {r['rank']} of {RANKS}, no gradient checkpointing (learner's own default; "
+                                f"`omrl run` turns it on for a real-size model): peak RSS bytes during the second "
+                                f"train_step / one full copy (info: this batch's activations)",
+                     "system": float(r["step2_peak"]), "baseline": float(full),
+                     "ratio": spread([r["step2_peak"] / full])})
     for r in kept:
         rows.append({"measure": f"rank {r['rank']} of {RANKS}, freed memory kept (glibc's default, "
                                 f"learner.return_freed_memory = false): peak RSS bytes during the second train_step / "
@@ -276,6 +304,12 @@ def run(quick: bool, device: str = "cpu") -> dict:
     lead = ranks[0]["phases"]
     step_s = (lead["step2"]["seconds"] + lead["step4"]["seconds"]) / 2  # the steps before and after: none beside them
     kept_s = (kept[0]["phases"]["step2"]["seconds"] + kept[0]["phases"]["step4"]["seconds"]) / 2
+    split_s, gathered_s, plain_s = (run[0]["phases"]["step2"]["seconds"] for run in (ranks, gathered, plain))
+    rows.append({"measure": "rank 0's second step time, the vocabulary split / gathered whole (the price of exchanging "
+                            "activations instead of the weight; lower is better)",
+                 "system": split_s, "baseline": gathered_s, "ratio": spread([split_s / gathered_s])})
+    rows.append({"measure": "rank 0's second step time, gradient checkpointing / none (the price of recomputing)",
+                 "system": split_s, "baseline": plain_s, "ratio": spread([split_s / plain_s])})
     rows.append({"measure": "rank 0's step time (mean of steps 2 and 4), freed memory returned at once "
                             "(learner.return_freed_memory, the default) / kept (glibc's default): the price of the "
                             "page faults (lower is better, 1 is free)",
@@ -302,12 +336,17 @@ def run(quick: bool, device: str = "cpu") -> dict:
                             "holds the whole state, and a checkpoint's copy of its model and AdamW state)",
                  "system": float(one["peak"]), "baseline": float(full), "ratio": spread([one["peak"] / full])})
     result = {"rows": rows, "params": params, "model": spec, "full_copy_bytes": full, "goal": GOAL, "ranks": ranks,
-              "kept": kept, "one_rank": one, "again": again, "checkpoint_every": every,
+              "kept": kept, "gathered": gathered, "plain": plain, "as_run": AS_RUN, "one_rank": one, "again": again,
+              "checkpoint_every": every,
               "files": files, "batch": {"sequences": G * BATCH.groups, "min_len": BATCH.min_len,
                                         "max_len": BATCH.max_len}, "measured_device": "cpu"}
     for r in ranks:
         print(f"shards: rank {r['rank']}: " + ", ".join(f"{k.removesuffix('_peak')} {r[k] / full:.3f}" for k in PEAKS)
               + f" of one full copy ({full / 2**30:.2f} GiB)", flush=True)
+    print("shards: second step, embedding and output layer gathered whole " + ", ".join(
+        f"rank {r['rank']} {r['step2_peak'] / full:.3f}" for r in gathered) + "; no gradient checkpointing " + ", ".join(
+        f"rank {r['rank']} {r['step2_peak'] / full:.3f}" for r in plain) + f"; step time split / gathered "
+          f"{split_s / gathered_s:.3f}, checkpointing / none {split_s / plain_s:.3f}", flush=True)
     print("shards: freed memory kept (glibc's default): second step " + ", ".join(
         f"rank {r['rank']} {r['step2_peak'] / full:.3f}" for r in kept) + f"; returned at once, the step takes "
           f"{step_s / kept_s:.3f} of the time", flush=True)

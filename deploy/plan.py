@@ -26,7 +26,9 @@ so 36h + 8I bytes under bf16 and 44h + 16I in fp32. Without gradient checkpointi
 keeps that for L layers; with it, every layer's fp32 input (4h), and in backward one layer's
 worth (the peak is the larger of the forward's end and the backward: `step_terms`).
 On top: the final norm (8h a token), the output layer's rows (fp32 inputs and their gradients,
-8h a generated token), its gradient made whole in its backward (4 x vocabulary x h), its chunk
+8h a generated token), its gradient made whole in its backward (4 x vocabulary x h; under FSDP2
+with learner.vocab_parallel none: each rank adds into its rows' gradient, and the exchanged
+embeddings, rows and gradients of every rank's tokens take 16h a token a rank instead), its chunk
 buffers (about 18 bytes x min(generated, ROW_CHUNK) x learner.vocab_chunk), and under bf16 the
 copies of the decoder layers' weights autocast makes (2 bytes a parameter; FSDP2 gathers them
 in bf16 instead, with its own unsharded buffers).
@@ -106,16 +108,18 @@ def layer_bytes_per_token(m: ModelShape, precision: str) -> int:
 
 
 def step_terms(m: ModelShape, precision: str, checkpointing: bool, tokens: int, generated: int, vocab_chunk: int,
-               weight_copies: bool = True) -> dict[str, int]:
+               weight_copies: bool = True, whole_output_gradient: bool = True) -> dict[str, int]:
     """Bytes one micro-batch of `tokens` tokens (`generated` of them scored) adds at its peak on a
     rank that runs the whole model, by what holds them. `weight_copies`: autocast's bf16 copies of
-    the decoder layers' weights (not under FSDP2, which gathers them in bf16 itself). Without
+    the decoder layers' weights (not under FSDP2, which gathers them in bf16 itself).
+    `whole_output_gradient`: the output layer's gradient made whole in its backward (not when
+    split by vocabulary, learner.vocab_parallel: added into the sharded gradient in place). Without
     checkpointing everything is held at the start of backward; with it, the peak is the larger of
     the forward's end (the weight copies are autocast's cache until the forward ends) and the
     backward (the output layer's gradient, then one layer recomputed at a time)."""
     h, per_layer = m.hidden, layer_bytes_per_token(m, precision)
     rows = 8 * h * generated + 18 * min(generated, ROW_CHUNK) * min(vocab_chunk, m.vocab)  # inputs, grads, chunks
-    gradient = 4 * m.vocab * h  # the output layer's, made whole in its backward
+    gradient = 4 * m.vocab * h if whole_output_gradient else 0  # the output layer's, made whole in its backward
     copies = 2 * m.layer_parameters * m.layers if precision == "bf16" and weight_copies else 0
     final = 8 * h * tokens  # the final norm's input and normalised input (then the gradient in flight)
     if not checkpointing:
@@ -195,12 +199,16 @@ def learner_lines(cfg: Config, m: ModelShape, tokens: int | None = None, paralle
         lines[f"KL reference ({'bf16' if ref_bytes == 2 else 'fp32'}, {where})"] = math.ceil(ref_bytes * P / share)
     if parallel == "ddp" and ranks > 1:
         lines["DDP gradient buckets (fp32)"] = 4 * P
-    lines.update(step_terms(m, lc.precision, checkpointing, tokens, tokens, lc.vocab_chunk, weight_copies=not sharded))
-    if sharded:  # the root unit (embeddings, output layer) stays gathered through the step; two layers gathered
+    split = sharded and lc.vocab_parallel  # the embedding and output layer split by vocabulary, never gathered
+    lines.update(step_terms(m, lc.precision, checkpointing, tokens, tokens, lc.vocab_chunk, weight_copies=not sharded,
+                            whole_output_gradient=not split))
+    if sharded:  # the root unit (embeddings, output layer unless split) stays gathered through the step; two layers
         e = 2 if lc.precision == "bf16" else 4  # gathered in bf16 under bf16 (MixedPrecisionPolicy)
         reduce = 4 if e == 2 else 0  # gradients cast to fp32 for the reduce-scatter
-        lines["FSDP2 gathered parameters and gradients"] = (m.root_parameters * (2 * e + reduce)
+        lines["FSDP2 gathered parameters and gradients"] = ((0 if split else m.root_parameters) * (2 * e + reduce)
                                                             + m.layer_parameters * (3 * e + reduce))
+    if split:  # every rank's tokens looked up and scored here: their embeddings, hidden rows and gradients (fp32)
+        lines["vocabulary-parallel exchange (every rank's tokens)"] = 4 * 4 * m.hidden * tokens * ranks
     return lines
 
 

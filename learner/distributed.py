@@ -7,10 +7,13 @@
 - `fsdp2`: `fully_shard` per decoder layer and on the root: parameters, gradients and
   optimizer state are sharded across ranks. The model is built on the meta device, its
   decoder layers sharded, and each rank reads only its shard of every layer's tensors from
-  the safetensors files (`load_model`); the rest (embeddings, final norm, output layer) is
-  read whole and sharded by `wrap`, whose root unit is the scorer that calls them: no rank
-  ever holds a whole copy of the model. With learner.precision = "bf16" the shards
-  are gathered in bf16 for compute and gradients reduced in fp32 (a MixedPrecisionPolicy).
+  the safetensors files (`load_model`). The embedding and the output layer are split by
+  vocabulary (learner.vocab_parallel, `learner/vocab_parallel.py`): each rank reads and keeps
+  its rows and FSDP2 leaves them alone (`ignored_params`); the rest (final norm, a value
+  head; the embedding and output layer when not split) is sharded by `wrap`, whose root unit is
+  the scorer that calls them: no rank ever holds a whole copy of the model, and with the split
+  no rank ever gathers the embedding either. With learner.precision = "bf16" the shards are
+  gathered in bf16 for compute and gradients reduced in fp32 (a MixedPrecisionPolicy).
 
 torchrun sets RANK, WORLD_SIZE and LOCAL_RANK. On CUDA the group has NCCL for CUDA tensors
 and gloo for CPU ones ("cpu:gloo,cuda:nccl": an NCCL-only group fails on the first CPU
@@ -202,14 +205,28 @@ class DDP(_Distributed):
 
 
 class FSDP2(_Distributed):
-    def _shard(self, module: torch.nn.Module, frozen: bool = False) -> None:
+    def __init__(self, device: torch.device, precision: str = "fp32", vocab_parallel: bool = True):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        super().__init__(device, precision)
+        self.mesh = init_device_mesh(device.type, (self.world,))
+        self.vocab_parallel = vocab_parallel  # learner.vocab_parallel
+
+    def _shard(self, module: torch.nn.Module, frozen: bool = False, ignored: set | None = None) -> None:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         # Trained weights in bf16 compute: gathered in bf16, gradients reduced in fp32 (the shards,
         # AdamW's state and the update stay fp32). A frozen model keeps the dtype it was built in.
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
             if self.precision == "bf16" and not frozen else MixedPrecisionPolicy()
-        fully_shard(module, mp_policy=policy)
+        fully_shard(module, mesh=self.mesh, mp_policy=policy, ignored_params=ignored)
+
+    def _split_vocabulary(self, module: torch.nn.Module) -> set:
+        """With learner.vocab_parallel, the embedding and output layer of the causal LM in `module`
+        split by vocabulary (`learner.vocab_parallel`); the parameters FSDP2 must leave alone."""
+        from learner.vocab_parallel import split_vocabulary
+
+        return set(split_vocabulary(getattr(module, "lm", module), self.mesh)) if self.vocab_parallel else set()
 
     def wrap(self, module: torch.nn.Module, frozen: bool = False) -> torch.nn.Module:
         from torch.distributed.fsdp import FSDPModule
@@ -218,9 +235,10 @@ class FSDP2(_Distributed):
         for layer in decoder_layers(module):
             if not isinstance(layer, FSDPModule):  # load_model sharded them already
                 self._shard(layer, frozen)
-        # The rest (embeddings, final norm, output layer, a value head) as one unit, rooted at the
-        # module whose forward calls them (the scorer calls the decoder and the output layer itself).
-        self._shard(module, frozen)
+        # The rest (final norm, a value head; the embeddings and output layer unless split by
+        # vocabulary) as one unit, rooted at the module whose forward calls them (the scorer calls
+        # the decoder and the output layer itself).
+        self._shard(module, frozen, self._split_vocabulary(module))
         return module
 
     def load_model(self, path: str, dtype: str = "float32", trainable: bool = True) -> torch.nn.Module:
@@ -237,6 +255,7 @@ class FSDP2(_Distributed):
             model.eval().requires_grad_(False)
         for layer in decoder_layers(model):
             self._shard(layer, frozen=not trainable)
+        self._split_vocabulary(model)
         model.to_empty(device=self.device)
         model.tie_weights()  # to_empty gave the output layer a tensor of its own: tie it to the embedding again
         for module in model.modules():  # buffers are not in the files (rotary frequencies): computed again
@@ -342,10 +361,12 @@ def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:
 KINDS = {"ddp": DDP, "fsdp2": FSDP2}
 
 
-def setup(parallel: str, device_name: str, precision: str = "fp32") -> Single:
+def setup(parallel: str, device_name: str, precision: str = "fp32", vocab_parallel: bool = True) -> Single:
     """The process's place in the learner: `single` unless torchrun started it with WORLD_SIZE > 1."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     device = resolve_device(device_name, int(os.environ.get("LOCAL_RANK", "0")))
     if world == 1:
         return Single(device)
+    if parallel == "fsdp2":
+        return FSDP2(device, precision, vocab_parallel)
     return KINDS[parallel](device, precision)

@@ -12,6 +12,10 @@ tokens under the distribution the actor sampled from (vLLM's `processed_logprobs
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from learner.vocab_parallel import VocabRows, gather_rows
 
 ROW_CHUNK = 4096
 """Rows of the output layer computed at once (with `vocab_chunk` columns)."""
@@ -19,18 +23,21 @@ ROW_CHUNK = 4096
 
 class _HeadLogprobs(torch.autograd.Function):
     """hidden (M, H), weight (V, H), targets (M,), inv_temp (M,) -> logp (M,), entropy (M,), fp32.
+    With `vocab` (VocabRows), `weight` is the parameter split by vocabulary (scored on this rank's
+    rows, its gradient added into theirs in place), `targets` numbered from its first row, and the
+    rows every rank's: the log-sum-exp's pieces are all-reduced.
 
     l = (hidden @ weight.T) * inv_temp; logp = l[target] - logsumexp(l); entropy = lse - E_p[l].
     Backward: d logp / d l = onehot - p; d entropy / d l = -p * (l - E_p[l]).
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, inv_temp, vocab_chunk, compute_dtype):
+    def forward(ctx, hidden, weight, targets, inv_temp, vocab_chunk, compute_dtype, vocab):
+        param, weight = weight, weight.to_local() if vocab is not None else weight
         M, V = hidden.shape[0], weight.shape[0]
-        logp = hidden.new_empty(M, dtype=torch.float32)
-        entropy = hidden.new_empty(M, dtype=torch.float32)
-        lse = hidden.new_empty(M, dtype=torch.float32)
-        mean_l = hidden.new_empty(M, dtype=torch.float32)
+        # Per row over this weight's vocabulary: running max, sum exp(l - max), sum exp(l - max) * l,
+        # and the target's logit (0 where the target is not in these rows).
+        parts = hidden.new_empty((4, M), dtype=torch.float32)  # rows: contiguous for the collectives
         for r0 in range(0, M, ROW_CHUNK):
             h = hidden[r0:r0 + ROW_CHUNK].to(compute_dtype)
             scale = inv_temp[r0:r0 + ROW_CHUNK, None]
@@ -50,21 +57,31 @@ class _HeadLogprobs(torch.autograd.Function):
                 inside = (tgt >= v0) & (tgt < v0 + logits.shape[1])
                 idx = (tgt - v0).clamp(0, logits.shape[1] - 1)
                 picked += torch.where(inside, logits.gather(1, idx[:, None]).squeeze(1), 0.0)
-            chunk_lse = (run_max + torch.log(run_sum)).squeeze(1)
-            chunk_mean = (run_dot / run_sum).squeeze(1)
-            lse[r0:r0 + ROW_CHUNK], mean_l[r0:r0 + ROW_CHUNK] = chunk_lse, chunk_mean
-            logp[r0:r0 + ROW_CHUNK] = picked - chunk_lse
-            entropy[r0:r0 + ROW_CHUNK] = chunk_lse - chunk_mean
+            parts[:, r0:r0 + ROW_CHUNK] = torch.stack([run_max[:, 0], run_sum[:, 0], run_dot[:, 0], picked])
+        if vocab is not None:  # each rank scored its slice of the vocabulary: the rows' totals over all
+            run_max = vocab.combine(parts[0].clone(), dist.ReduceOp.MAX)
+            parts[1:3] *= torch.exp(parts[0] - run_max)
+            parts[0] = run_max
+            vocab.combine(parts[1:])
+        run_max, run_sum, run_dot, picked = parts
+        lse = run_max + torch.log(run_sum)
+        mean_l = run_dot / run_sum
         ctx.save_for_backward(hidden, weight, targets, inv_temp, lse, mean_l)
-        ctx.vocab_chunk, ctx.compute_dtype = vocab_chunk, compute_dtype
-        return logp, entropy
+        ctx.vocab_chunk, ctx.compute_dtype, ctx.vocab, ctx.param = vocab_chunk, compute_dtype, vocab, param
+        return picked - lse, lse - mean_l
 
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         hidden, weight, targets, inv_temp, lse, mean_l = ctx.saved_tensors
         vocab_chunk, dt = ctx.vocab_chunk, ctx.compute_dtype
+        if ctx.vocab is not None:  # each rank's rows' gradients (zero elsewhere): every rank needs all of them
+            grads = ctx.vocab.combine(torch.stack([grad_logp.float(), grad_entropy.float()]))
+            grad_logp, grad_entropy = grads[0], grads[1]
         grad_hidden = torch.zeros_like(hidden, dtype=torch.float32)
-        grad_weight = torch.zeros_like(weight, dtype=torch.float32)
+        # Split by vocabulary: added into the parameter's gradient in place, a rank's share of every rank's rows.
+        grad_weight = ctx.vocab.grad_of(ctx.param) if ctx.vocab is not None else \
+            torch.zeros_like(weight, dtype=torch.float32)
+        share = 1.0 / ctx.vocab.world if ctx.vocab is not None else 1.0
         V = weight.shape[0]
         for r0 in range(0, hidden.shape[0], ROW_CHUNK):
             rows = slice(r0, r0 + ROW_CHUNK)
@@ -80,19 +97,30 @@ class _HeadLogprobs(torch.autograd.Function):
                 grad_logits.scatter_add_(1, idx[:, None], torch.where(inside, g_lp[:, 0], 0.0)[:, None])
                 grad_logits = (grad_logits * scale).to(dt)  # through l = raw * inv_temp
                 grad_hidden[rows] += (grad_logits @ w).float()
-                grad_weight[v0:v0 + vocab_chunk] += (grad_logits.T @ h).float()
-        return grad_hidden.to(hidden.dtype), grad_weight.to(weight.dtype), None, None, None, None
+                grad_weight[v0:v0 + vocab_chunk].add_(grad_logits.T @ h, alpha=share)
+        grad_weight = None if ctx.vocab is not None else grad_weight.to(weight.dtype)
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
                   vocab_chunk: int = 8192) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden (M, H), output weight (V, H), targets (M,), temperature (M,) -> log-prob of each
-    target and entropy of each row's distribution at its temperature, both (M,) fp32."""
+    target and entropy of each row's distribution at its temperature, both (M,) fp32. A weight
+    split by vocabulary across the ranks (a DTensor: `learner.vocab_parallel`) is scored in place:
+    every rank's rows against each rank's slice, never gathered."""
     compute_dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
         else weight.dtype
+    inv_temp = 1.0 / temperature.float()
     # The chunks pick their own dtypes; autocast would recast them behind our back.
     with torch.autocast(hidden.device.type, enabled=False):
-        return _HeadLogprobs.apply(hidden, weight, targets, 1.0 / temperature.float(), vocab_chunk, compute_dtype)
+        if not isinstance(weight, DTensor):
+            return _HeadLogprobs.apply(hidden, weight, targets, inv_temp, vocab_chunk, compute_dtype, None)
+        vocab = VocabRows(weight)
+        counts = vocab.counts(len(hidden))
+        every_target = vocab.gather_rows(targets, counts) - vocab.lo  # numbered from this rank's first row
+        logp, entropy = _HeadLogprobs.apply(gather_rows(hidden, vocab, counts), weight, every_target,
+                                            vocab.gather_rows(inv_temp, counts), vocab_chunk, compute_dtype, vocab)
+        return logp[vocab.mine(counts)], entropy[vocab.mine(counts)]
 
 
 class PolicyScorer(torch.nn.Module):

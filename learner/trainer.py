@@ -92,7 +92,7 @@ class Trainer:
         head = [p for n, p in named if "value_head." in n]
         self.optimizer = torch.optim.AdamW([{"params": policy}] + ([{"params": head, "lr": cfg.critic_lr or cfg.lr}]
                                                                     if head else []),
-                                           lr=cfg.lr, weight_decay=cfg.weight_decay)
+                                           lr=cfg.lr, weight_decay=cfg.weight_decay, fused=True)
         self.loss_cfg = LossConfig(cfg.clip_eps_low, cfg.clip_eps_high, cfg.behav_weight_cap, cfg.behav_reject,
                                    cfg.dual_clip)
         self.timer = Timer()
@@ -157,9 +157,11 @@ class Trainer:
         if self.reference is not None:
             batch.ref_logprobs = zeros()
         for idx in micros:
-            if not idx:  # an idle pass: the other ranks' forwards are collectives
+            if not idx:  # an idle pass: the other ranks' forwards are collectives, the reference's too
                 if policy:
                     self._idle_loss()
+                if self.reference is not None:
+                    self._idle_loss(self.reference)
                 continue
             mb = batch.micro(idx, self.device)
             if policy:
@@ -265,11 +267,12 @@ class Trainer:
             stats["kl_ref"] = kl.detach()
         return loss, {k: v.detach().float().cpu() for k, v in stats.items()}
 
-    def _idle_loss(self) -> torch.Tensor:
+    def _idle_loss(self, scorer: torch.nn.Module | None = None) -> torch.Tensor:
         tokens = torch.zeros((1, 2), dtype=torch.long, device=self.device)
         rows = torch.tensor([[0, 1]], device=self.device)
         with self._autocast():
-            cur, _, values = self.scorer(tokens, torch.ones_like(tokens), rows, torch.ones(1, device=self.device))
+            cur, _, values = (scorer or self.scorer)(tokens, torch.ones_like(tokens), rows,
+                                                     torch.ones(1, device=self.device))
         return (cur.sum() + (values.sum() if values is not None else 0.0)) * 0.0
 
     def save_checkpoint(self, path: Path, background: bool) -> Future:

@@ -217,7 +217,7 @@ class Learner:
     def run(self) -> int:
         """Train to learner.steps (exit code 0) or until a signal (128 + its number)."""
         lcfg = self.cfg.learner
-        self.parallel = setup(lcfg.parallel, lcfg.device, lcfg.precision)
+        self.parallel = setup(lcfg.parallel, lcfg.device, lcfg.precision, lcfg.vocab_parallel)
         torch.manual_seed(lcfg.seed)
         torch.set_num_threads(lcfg.threads)
         return_freed_memory(lcfg.return_freed_memory)

@@ -37,15 +37,23 @@ def main() -> None:
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--kl", type=float, default=0.0, help="learner.kl_coef: a frozen reference, loaded as the worker does")
     p.add_argument("--precision", default="fp32")
+    p.add_argument("--one-update", action="store_true", help="1 epoch x 1 minibatch: no proximal pass")
     args = p.parse_args()
-    cfg = LearnerConfig(parallel=args.parallel, device="cpu", kl_coef=args.kl, precision=args.precision, **LEARNER)
-    parallel = setup(cfg.parallel, cfg.device, cfg.precision)
+    # One update on micro-batches of a sample or two: ranks run unequal numbers of them (idle passes).
+    learner = {**LEARNER, **(dict(ppo_epochs=1, minibatches=1, max_tokens_per_microbatch=60)
+                             if args.one_update else {})}
+    cfg = LearnerConfig(parallel=args.parallel, device="cpu", kl_coef=args.kl, precision=args.precision, **learner)
+    parallel = setup(cfg.parallel, cfg.device, cfg.precision, cfg.vocab_parallel)
     torch.manual_seed(0)
     reference = parallel.load_model(args.model, REFERENCE_DTYPE[cfg.precision], trainable=False) if args.kl else None
     trainer = Trainer(parallel.load_model(args.model), cfg, parallel, reference)  # FSDP2: built sharded
     if reference is not None:
         kinds = {(type(p).__name__, str(p.dtype), p.requires_grad) for p in trainer.reference.parameters()}
         print(f"rank {parallel.rank} reference parameters {sorted(kinds)}", flush=True)
+    embedding = trainer.model.get_input_embeddings().weight
+    rows = tuple(embedding.to_local().shape) if hasattr(embedding, "to_local") else tuple(embedding.shape)
+    print(f"rank {parallel.rank} embedding {type(embedding.data).__name__} rows {rows} of "
+          f"{tuple(embedding.shape)}", flush=True)
     if args.resume:
         trainer.load_checkpoint(Path(args.resume))
     all_batches = batches(args.last)

@@ -83,11 +83,41 @@ def test_fsdp2_loads_sharded_and_keeps_a_sharded_bf16_reference(tiny_model, tmp_
     right ones); the KL reference is sharded too, frozen, in the compute's precision (bf16), and a
     bf16 step with the KL penalty runs through FSDP2's mixed-precision policy. The model's output
     layer is tied to its embedding, as Qwen2.5-0.5B's and 1.5B's are (the meta-device build once
-    untied them and the load failed), and is published once."""
+    untied them and the load failed), and is published once. The embedding and output layer are
+    split by vocabulary (learner.vocab_parallel): each rank holds its rows, never the whole; the
+    first test's match with one rank is their correctness (the tiny model's are untied)."""
     from common.models import init_tiny_model
 
     tied = str(init_tiny_model(tmp_path / "tied", tie_embeddings=True))
-    out = run_steps(tied, tmp_path / "kl", last=1, ranks=2, parallel="fsdp2",
-                    extra=("--kl", "0.05", "--precision", "bf16"))
+    # One update a step: the reference's is the only forward before it, idle passes included.
+    out = run_steps(tied, tmp_path / "kl", last=2, ranks=2, parallel="fsdp2",
+                    extra=("--kl", "0.05", "--precision", "bf16", "--one-update"))
     for rank in (0, 1):
         assert f"rank {rank} reference parameters [('DTensor', 'torch.bfloat16', False)]" in out, out
+        # learner.vocab_parallel: each rank holds half the vocabulary's rows of the tied embedding.
+        assert f"rank {rank} embedding DTensor rows (43, 128) of (86, 128)" in out, out
+
+
+def test_the_vocabulary_split_scores_and_differentiates_as_one_process(tmp_path):
+    """learner.vocab_parallel under FSDP2: each rank's log-probs, entropies and every gradient (its
+    rows of the split embedding and output layer) equal one process's on every rank's samples;
+    tied and untied, a vocabulary of 87 rows on 2 ranks (44 and 43), unequal samples and scored
+    rows per rank, temperatures, a padding token (whose row gets no gradient)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    models = []
+    for tied in (True, False):
+        torch.manual_seed(1)
+        path = tmp_path / ("tied" if tied else "untied")
+        Qwen2ForCausalLM(Qwen2Config(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+                                     intermediate_size=128, vocab_size=87, tie_word_embeddings=tied,
+                                     pad_token_id=5)).save_pretrained(path)
+        models.append(str(path))
+    cmd = [sys.executable, "-m", *learner_launcher(2), "tests.integration.vocab_split_steps", *models]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    for rank, rows in ((0, 44), (1, 43)):
+        assert (f"rank {rank} tied: equal to one process; split [('lm.model.embed_tokens.weight', ({rows}, 64), "
+                f"(87, 64))]") in done.stdout, done.stdout
+        assert f"rank {rank} untied: equal to one process" in done.stdout, done.stdout
+        assert f"('lm.lm_head.weight', ({rows}, 64), (87, 64))" in done.stdout, done.stdout

@@ -33,10 +33,11 @@ def test_a_collective_refuses_a_tensor_whose_device_has_no_backend():
 
 
 def test_only_the_parallel_layer_calls_collectives():
-    """torch.distributed's collectives are called in learner/distributed.py (checked there) and in
-    the weight transport's rendezvous (common/weight_sync.py, which sends on the group's device);
-    the trainer and the worker go through `parallel`, and nothing calls an `all_reduce` of theirs."""
-    allowed = {"learner/distributed.py", "common/weight_sync.py"}
+    """torch.distributed's collectives are called in learner/distributed.py and
+    learner/vocab_parallel.py (checked there) and in the weight transport's rendezvous
+    (common/weight_sync.py, which sends on the group's device); the trainer and the worker go
+    through `parallel`, and nothing calls an `all_reduce` of theirs."""
+    allowed = {"learner/distributed.py", "learner/vocab_parallel.py", "common/weight_sync.py"}
     offenders = []
     for path in sorted(ROOT.glob("*/**/*.py")):
         rel = path.relative_to(ROOT).as_posix()
@@ -48,3 +49,18 @@ def test_only_the_parallel_layer_calls_collectives():
                 if isinstance(owner, ast.Name) and owner.id in ("dist", "distributed") or node.func.attr == "all_reduce":
                     offenders.append(f"{rel}:{node.lineno} {ast.unparse(node.func)}")
     assert offenders == [], offenders
+
+
+def test_the_vocabulary_split_refuses_a_tensor_off_its_weights_device():
+    """The embedding and output layer split by vocabulary exchange activations on the weight's
+    device (CUDA under NCCL): a CPU tensor, or a view a collective would fill a copy of, is refused."""
+    from learner.vocab_parallel import VocabRows
+
+    on_gpu = object.__new__(VocabRows)  # as on a GPU rank: no process group needed to refuse
+    on_gpu.device = torch.device("cuda", 0)
+    with pytest.raises(RuntimeError, match="a tensor on cpu, its group's is cuda:0"):
+        on_gpu.combine(torch.zeros(3))
+    on_cpu = object.__new__(VocabRows)
+    on_cpu.device = torch.device("cpu")
+    with pytest.raises(ValueError, match="non-contiguous"):
+        on_cpu.combine(torch.zeros(4, 2)[:, 1])

@@ -185,7 +185,7 @@ def real_model(path, chat: bool, **config):
 def test_defaults_follow_the_model(tmp_path, tiny_model):
     chat = load_config(None, [f"model.path={json.dumps(real_model(tmp_path / 'chat', True))}"], environ={})
     assert (chat.actor.max_tokens, chat.actor.max_seq_len, chat.learner.lr, chat.learner.entropy_coef,
-            chat.learner.checkpoint_every) == tuple(REAL_MODEL.values())
+            chat.learner.checkpoint_every, chat.learner.gradient_checkpointing) == tuple(REAL_MODEL.values())
     # A checkpoint every 10 steps: the streams hold the 2 x 10 x groups_per_step groups that can wait for one.
     assert chat.redis.max_stream_len == 2 * 10 * chat.learner.groups_per_step
     fewer = load_config(None, [f"model.path={json.dumps(str(tmp_path / 'chat'))}", "learner.groups_per_step=3",
