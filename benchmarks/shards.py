@@ -284,23 +284,18 @@ def run(quick: bool, device: str = "cpu") -> dict:
                                 f"/ gathered whole by FSDP2 (vocab_parallel = false) (lower is better)",
                      "system": float(r["step2_peak"]), "baseline": float(base["step2_peak"]),
                      "ratio": spread([r["step2_peak"] / base["step2_peak"]])})
-        rows.append({"measure": f"rank {r['rank']} of {RANKS}, embedding and output layer gathered whole "
-                                f"(learner.vocab_parallel = false): peak RSS bytes during the second train_step / one "
-                                f"full copy (info: what the split saves)",
-                     "system": float(base["step2_peak"]), "baseline": float(full),
-                     "ratio": spread([base["step2_peak"] / full])})
-    for r in plain:
-        rows.append({"measure": f"rank {r['rank']} of {RANKS}, no gradient checkpointing (learner's own default; "
-                                f"`omrl run` turns it on for a real-size model): peak RSS bytes during the second "
-                                f"train_step / one full copy (info: this batch's activations)",
-                     "system": float(r["step2_peak"]), "baseline": float(full),
-                     "ratio": spread([r["step2_peak"] / full])})
-    for r in kept:
-        rows.append({"measure": f"rank {r['rank']} of {RANKS}, freed memory kept (glibc's default, "
-                                f"learner.return_freed_memory = false): peak RSS bytes during the second train_step / "
-                                f"one full copy (info: what returning it saves)",
-                     "system": float(r["step2_peak"]), "baseline": float(full),
-                     "ratio": spread([r["step2_peak"] / full])})
+    # The baseline runs' second step against one full copy: what each default saves.
+    for run, what in ((gathered, "embedding and output layer gathered whole (learner.vocab_parallel = false), "
+                                 "info: what the split saves"),
+                      (plain, "no gradient checkpointing (the learner's own default; `omrl run` turns it on for a "
+                              "real-size model), info: this batch's activations"),
+                      (kept, "freed memory kept (glibc's default, learner.return_freed_memory = false), info: what "
+                             "returning it saves")):
+        for r in run:
+            rows.append({"measure": f"rank {r['rank']} of {RANKS}, {what}: peak RSS bytes during the second "
+                                    f"train_step / one full copy",
+                         "system": float(r["step2_peak"]), "baseline": float(full),
+                         "ratio": spread([r["step2_peak"] / full])})
     lead = ranks[0]["phases"]
     step_s = (lead["step2"]["seconds"] + lead["step4"]["seconds"]) / 2  # the steps before and after: none beside them
     kept_s = (kept[0]["phases"]["step2"]["seconds"] + kept[0]["phases"]["step4"]["seconds"]) / 2

@@ -567,7 +567,7 @@ REAL_MODEL = {"actor.max_tokens": 512, "actor.max_seq_len": 4096, "learner.lr": 
 # A checkpoint every 10 steps cost 0.02 of the training time at 0.5B on 2 CPU ranks, one every step 0.2
 # (`omrl bench shards`); the streams then hold the groups that wait for it (redis.max_stream_len, below).
 # Gradient checkpointing: sequences of actor.max_seq_len tokens; at 0.5B on 2 CPU ranks it took a rank's
-# peak from 0.67 to 0.59 of a full fp32 train state (8 sequences of 64-128 tokens) for x1.06 step time.
+# peak from 0.67 to 0.59 of a full fp32 train state (8 sequences of 64-128 tokens) for x1.10 step time.
 # actor.stop when the config does not set it: a real-size model with a chat template stops at its end of
 # turn (the end-of-sequence tokens vLLM stops on: no stop string); otherwise the action template's.
 TEMPLATE_STOP = {"react": ["\nObservation:"], "tag": ["</action>"]}  # others: a line break
