@@ -98,7 +98,8 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
                                        [torch.from_numpy(g.rewards) for g in groups])
     step_adv = [gigpo_steps(g, gamma) if algorithm == "gigpo" else [None] * len(g.samples) for g in groups]
     if algorithm == "gigpo":  # a group of equal episode rewards may still differ step by step
-        signal = [sig or any(any(a) for a in steps) for sig, steps in zip(signal, step_adv)]
+        # (a sample whose turn states are unknown has no step advantages: None)
+        signal = [sig or any(any(a) for a in steps if a is not None) for sig, steps in zip(signal, step_adv)]
     sample_signal = [sig for g, sig in zip(groups, signal) for _ in g.samples]
     sample_adv = [float(a) for adv in episode_adv for a in adv]
     sample_steps = [steps for group_steps in step_adv for steps in group_steps]

@@ -48,6 +48,22 @@ def test_gigpo_advantages_in_a_batch_are_episode_plus_step_level():
     assert collate([same], "gigpo", gamma=0.5).group_signal.tolist() == [True]  # a: 0.5 against 0.25
 
 
+def test_gigpo_takes_a_group_without_signal_whose_turn_states_are_unknown():
+    """Issue 26: a group of equal rewards with a sample whose turn states are unknown (no step
+    advantages: None) raised TypeError in collate, the learner died and the group came back
+    until the run stopped. Its steps count as no signal; a known sample's still do."""
+    rng = np.random.default_rng(3)
+    flat = multi_turn_group(rng, [([0.0, 1.0], ["a", "b"]), ([0.0, 1.0], ["a", "b"])])
+    flat.samples[1].turn_states = []  # unknown
+    batch = collate([flat], "gigpo", gamma=0.5)
+    assert batch.group_signal.tolist() == [False]  # equal rewards, the known sample alone: nothing to compare
+    assert torch.all(batch.loss_mask == 0) and torch.all(batch.advantages == 0)
+    differs = multi_turn_group(rng, [([0.0, 1.0], ["a", "b"]), ([0.0, 0.0, 1.0], ["a", "c", "b"]),
+                                     ([0.0, 1.0], ["a", "b"])])
+    differs.samples[2].turn_states = []
+    assert collate([differs], "gigpo", gamma=0.5).group_signal.tolist() == [True]  # the known two differ
+
+
 def test_turn_states_travel_in_the_message():
     rng = np.random.default_rng(2)
     group = multi_turn_group(rng, EPISODES)
