@@ -74,25 +74,29 @@ def engine_args(model: ModelConfig, actor: ActorConfig, model_path: str, seed: i
     return args
 
 
-def stop_sequences(tokenizer, stop: list[str]) -> tuple[list[int], list[list[int]]]:
-    """actor.stop as token ids: single tokens (vLLM stops on them itself) and longer sequences
-    (matched on the generated tokens as they stream). Either way the tokens stay as sampled."""
-    single, longer = [], []
+def check_stops(stop: list[str]) -> list[str]:
+    """actor.stop, refused where an entry is empty (it would end every turn at once)."""
     for text in stop:
-        ids = tokenizer.encode(text, add_special_tokens=False)
-        if not ids:
-            raise ValueError(f"actor.stop entry {text!r} is no tokens for this tokenizer: remove it")
-        (single.append(ids[0]) if len(ids) == 1 else longer.append(ids))
-    return single, longer
+        if not text:
+            raise ValueError(f"actor.stop entry {text!r} is empty: remove it")
+    return list(stop)
 
 
-def find_stop(tokens: list[int], sequences: list[list[int]], start: int, new_from: int) -> int | None:
-    """The end of the first stop sequence in `tokens` that lies within tokens[start:] and ends at
-    or after `new_from` (the first token not checked before), or None."""
-    for end in range(max(new_from, start) + 1, len(tokens) + 1):
-        for seq in sequences:
-            if end - len(seq) >= start and tokens[end - len(seq):end] == seq:
-                return end
+def find_stop(decode: Callable[[list[int]], str], tokens: list[int], stops: list[str], new_from: int) -> int | None:
+    """The fewest of `tokens` whose text holds a stop string ending past the text of
+    tokens[:new_from] (checked before, or not this request's: in a continued turn a stop may
+    begin in those tokens and end in the new ones), or None. Matched on the decoded text, as
+    a user writes stop strings: with a BPE tokenizer a "\\n" can sit inside another token
+    (".\\n"), which no match on the string's own token ids would see."""
+    # A stop string ending past tokens[:new_from] begins at most len(stop) characters before it: decode
+    # a window that reaches that far back (a token is at least a character, but for a split multi-byte
+    # one), so a long turn costs the same per token as a short one.
+    lo = max(0, new_from - max(len(stop) for stop in stops) - 8)
+    base = len(decode(tokens[lo:new_from]))
+    for end in range(new_from + 1, len(tokens) + 1):
+        text = decode(tokens[lo:end])
+        if any(text.find(stop, max(0, base - len(stop) + 1)) >= 0 for stop in stops):
+            return end
     return None
 
 
@@ -117,11 +121,10 @@ class VLLMEngine:
         self.set_stop(actor.stop)
 
     def set_stop(self, stop: list[str]) -> None:
-        """Stop strings; longer than one token, they are matched here as tokens stream in (DELTA
-        outputs), otherwise vLLM stops on them and sends one final output."""
-        single, self.stop_seqs = stop_sequences(self.tokenizer, stop)
-        kind = self._kinds.DELTA if self.stop_seqs else self._kinds.FINAL_ONLY
-        self.params.update(stop_token_ids=single, output_kind=kind)
+        """Stop strings, matched here on the text of the turn as tokens stream in (DELTA outputs;
+        without any, vLLM sends one final output)."""
+        self.stops = check_stops(stop)
+        self.params.update(output_kind=self._kinds.DELTA if self.stops else self._kinds.FINAL_ONLY)
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None,
                        turn_start: int | None = None, sent: Callable[[], None] | None = None) -> Generation:
@@ -148,8 +151,8 @@ class VLLMEngine:
                 turn += new
                 logprobs += [step[tok].logprob for step, tok in zip(completion.logprobs, new)]
                 finish = completion.finish_reason
-                if self.stop_seqs:
-                    end = find_stop(turn, self.stop_seqs, 0, checked)
+                if self.stops:
+                    end = find_stop(self.tokenizer.decode, turn, self.stops, checked)
                     if end is not None:
                         del turn[end:], logprobs[end - first:]
                         finish = "stop"

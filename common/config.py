@@ -142,7 +142,8 @@ class ActorConfig(Section):
     temperature: float = Field(1.0, ge=0)
     """Sampling temperature (0: greedy)."""
     stop: list[str] = Field(default_factory=lambda: ["\n"])
-    """Strings that end a turn's generation (kept in the token buffer as sampled)."""
+    """Strings that end a turn's generation, matched on its decoded text (a "\\n" inside a token such
+    as ".\\n" ends it too); the tokens stay in the buffer as sampled, up to the one that completes it."""
     system_prompt: str = ""
     """Text placed before the first observation."""
     action_template: str = "raw"

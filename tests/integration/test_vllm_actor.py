@@ -184,7 +184,7 @@ def test_a_stop_string_of_several_tokens_ends_the_turn_with_its_tokens_as_sample
         stop = engine.tokenizer.decode(free[6:9])
         first = next(i for i in range(len(free)) if engine.tokenizer.decode(free[i:i + 3]) == stop)
         engine.set_stop([stop])
-        assert engine.stop_seqs == [free[6:9]]
+        assert engine.stops == [stop]
         gen = loop.run_until_complete(engine.generate(prompt, 24, temperature=0.0))
         assert gen.token_ids == free[:first + 3] and gen.finish_reason == "stop"
         assert len(gen.logprobs) == len(gen.token_ids)

@@ -218,20 +218,43 @@ def test_a_template_that_rewrites_earlier_turns_is_refused():
     assert isinstance(make_format(tokenizer, "none"), PlainFormat)
 
 
-def test_stop_sequences_are_found_where_they_end_among_new_tokens_only():
-    from actors.engine import find_stop, stop_sequences
+def test_stop_strings_are_found_where_they_end_among_new_tokens_only():
+    from actors.engine import check_stops, find_stop
 
-    single, longer = stop_sequences(build_char_tokenizer(), ["\n", "END", "ab"])
     tok = build_char_tokenizer()
-    assert single == tok.encode("\n", add_special_tokens=False)
-    assert longer == [tok.encode("END", add_special_tokens=False), tok.encode("ab", add_special_tokens=False)]
+    stops = check_stops(["END", "ab"])
     seq = tok.encode("xxENDyyab", add_special_tokens=False)
-    assert find_stop(seq, longer, 0, 0) == 5  # the first match's end
-    assert find_stop(seq, longer, 0, 5) == 9  # "END" was checked before: the next one
-    assert find_stop(seq, longer, 3, 0) == 9  # "END" begins before the turn: not a stop
-    assert find_stop(seq, longer, 0, 9) is None
-    with pytest.raises(ValueError, match="actor.stop entry ''"):
-        stop_sequences(tok, [""])
+    assert find_stop(tok.decode, seq, stops, 0) == 5  # the first match's end
+    assert find_stop(tok.decode, seq, stops, 5) == 9  # "END" was checked before: the next one
+    assert find_stop(tok.decode, seq, stops, 4) == 5  # "END" begun in tokens before, ended in a new one
+    assert find_stop(tok.decode, seq, stops, 9) is None
+    long = tok.encode("x" * 100 + "yyENDab", add_special_tokens=False)  # only a window before new tokens is decoded
+    assert find_stop(tok.decode, long, stops, 103) == 105 and find_stop(tok.decode, long, stops, 105) == 107
+    with pytest.raises(ValueError, match="actor.stop entry '' is empty"):
+        check_stops([""])
+
+
+def test_a_stop_string_inside_a_bpe_token_ends_the_turn():
+    """Issue 26: stops were matched on the token ids of the string encoded alone, so with a BPE
+    tokenizer that merges ".\\n" (as Qwen2.5's does) the default stop "\\n" never ended a turn."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    from actors.engine import find_stop
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    bpe.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    words = ["north", "south", "east", "west", "wall", "door", "key", "box", "up", "down"]
+    bpe.train_from_iterator([f"{w}.\n" for w in words] * 20, trainers.BpeTrainer(  # the most frequent pair: ".\\n"
+        vocab_size=len(alphabet) + 1, initial_alphabet=alphabet, show_progress=False))
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe)
+    ids = tok.encode("go north.\nObservation", add_special_tokens=False)
+    newline = tok.encode("\n", add_special_tokens=False)
+    assert not any(ids[i:i + len(newline)] == newline for i in range(len(ids)))  # "\\n" only inside a token
+    end = find_stop(tok.decode, ids, ["\n"], 0)
+    assert end is not None and tok.decode(ids[:end]).endswith("\n") and tok.decode(ids[:end - 1]) == "go north"
 
 
 def test_turns_carry_the_state_they_acted_in(tiny_tokenizer):
