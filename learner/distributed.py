@@ -344,10 +344,15 @@ def shard_of(f, name: str, dim: int, rank: int, world: int) -> torch.Tensor:
         return chunks[rank] if rank < len(chunks) else full.narrow(dim, 0, 0)
     rows = f.get_slice(name)
     shape = rows.get_shape()
-    size = -(-shape[0] // world)
-    start = min(shape[0], rank * size)
-    stop = min(shape[0], start + size)
+    start, stop = chunk_rows(shape[0], rank, world)
     return rows[start:stop] if stop > start else torch.empty((0, *shape[1:]))
+
+
+def chunk_rows(n: int, rank: int, world: int) -> tuple[int, int]:
+    """[start, stop) of rank's rows of `n`, cut as torch.chunk (and FSDP2's Shard) cuts them."""
+    size = -(-n // world)
+    start = min(n, rank * size)
+    return start, min(n, start + size)
 
 
 def decoder_layers(module: torch.nn.Module) -> list[torch.nn.Module]:

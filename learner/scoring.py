@@ -120,7 +120,8 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
         every_target = vocab.gather_rows(targets, counts) - vocab.lo  # numbered from this rank's first row
         logp, entropy = _HeadLogprobs.apply(gather_rows(hidden, vocab, counts), weight, every_target,
                                             vocab.gather_rows(inv_temp, counts), vocab_chunk, compute_dtype, vocab)
-        return logp[vocab.mine(counts)], entropy[vocab.mine(counts)]
+        mine = vocab.mine(counts)
+        return logp[mine], entropy[mine]
 
 
 class PolicyScorer(torch.nn.Module):

@@ -35,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Shard
 
+from learner.distributed import chunk_rows
+
 
 class VocabRows:
     """This rank's place in the vocabulary split of a DTensor `weight` (V, H) sharded on dim 0,
@@ -44,9 +46,8 @@ class VocabRows:
         mesh = weight.device_mesh
         self.group, self.rank, self.world = mesh.get_group(), mesh.get_local_rank(), mesh.size()
         self.device = weight.to_local().device
-        vocab = weight.shape[0]
-        self.lo = min(vocab, self.rank * -(-vocab // self.world))  # torch.chunk's cut, as FSDP2's
-        self.rows = weight.to_local().shape[0]
+        self.lo, hi = chunk_rows(weight.shape[0], self.rank, self.world)
+        self.rows = hi - self.lo
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         if not t.is_contiguous():  # a collective on a view would fill a copy of it
@@ -187,19 +188,15 @@ def split_vocabulary(lm: torch.nn.Module, mesh) -> list[torch.nn.Parameter]:
     parameters (FSDP2 leaves them alone: `ignored_params`)."""
     embed, head = lm.get_input_embeddings(), lm.get_output_embeddings()
     tied = head is not None and head.weight is embed.weight
-    made = {}
 
     def split(p: torch.nn.Parameter) -> torch.nn.Parameter:
         if isinstance(p, DTensor):
             return p
-        rank, world = mesh.get_local_rank(), mesh.size()
-        size = -(-p.shape[0] // world)
-        lo, hi = min(p.shape[0], rank * size), min(p.shape[0], (rank + 1) * size)
+        lo, hi = chunk_rows(p.shape[0], mesh.get_local_rank(), mesh.size())
         local = torch.empty((hi - lo, *p.shape[1:]), dtype=p.dtype, device=p.device) if p.is_meta \
             else p.detach()[lo:hi].clone()
         shard = DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=p.shape, stride=p.stride())
-        made[id(shard)] = torch.nn.Parameter(shard, requires_grad=p.requires_grad)
-        return made[id(shard)]
+        return torch.nn.Parameter(shard, requires_grad=p.requires_grad)
 
     weight = split(embed.weight)
     if not isinstance(embed, VocabParallelEmbedding):
