@@ -109,8 +109,8 @@ class Actor:
         keys = Keys(cfg.redis.run, cfg.redis.shards)
         client = connect(cfg.redis)
         self.retry = RetryPolicy(attempts=cfg.redis.retry_attempts)
-        self.admission = Admission(client, keys, cfg.learner.groups_per_step, cfg.learner.versions_ahead,
-                                   cfg.learner.publish_every, cfg.redis.ticket_ttl_s)
+        self.admission = Admission(client, keys, cfg.learner.groups_per_step, cfg.learner.steps_ahead,
+                                   cfg.redis.ticket_ttl_s)
         returned = await self.retry.run("return the tickets of an earlier process",
                                         lambda: self.admission.release_predecessors(self.name, self.incarnation))
         if returned:

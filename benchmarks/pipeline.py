@@ -185,7 +185,7 @@ def plot(result: dict, path) -> None:
         total = sum(hist.values())
         ks = sorted(hist)
         stale.bar(np.array(ks) + (j - (len(modes) - 1) / 2) * 0.15, [hist[k] / total for k in ks], 0.15, label=m)
-    stale.set_title("staleness of trained groups (versions)")
+    stale.set_title("staleness of trained groups (optimizer steps)")
     stale.set_ylabel("share of groups")
     stale.legend(fontsize=8)
     plot_layouts(cores, [r for r in result["runs"] if r["actors"] == result["sweep_actors"] and r["eta"] in (None, 2)])

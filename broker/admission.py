@@ -1,16 +1,17 @@
 """Admission tickets (AReaL-style staleness bound), which are never leaked.
 
-With B groups per step, a version published every k steps, the step S of the newest
-published version and the bound eta (in versions), an actor may start a new group only while
+With B groups per step, S the step whose weights the newest published version holds and the
+bound eta (in optimizer steps), an actor may start a new group only while
 
-    accepted + held < S * B + (eta + 1) * k * B
+    accepted + held < S * B + (eta + 1) * B
 
 where `accepted` counts groups written to the streams and not dead-lettered, and `held`
-counts tickets of groups running now: groups started ahead of the learner never exceed
-eta + 1 versions' worth, whatever k is. Consumed in the order they started, every group
-is then at most eta versions stale; one that takes much longer than those started after
-it can be staler (the learner logs each group's staleness and dead-letters those past
-`learner.max_staleness`).
+counts tickets of groups running now. Consumed in the order they started, the group numbered
+n (from 0) is trained at step n // B + 1, on weights n // B steps old, so every group is at
+most eta optimizer steps stale, whatever `learner.publish_every` is (a version published
+every k steps makes a group up to k - 1 steps stale, so eta must be at least k - 1: the config
+refuses less). One that takes much longer than those started after it can be staler (the
+learner logs each group's staleness and dead-letters those past `learner.max_staleness`).
 
 Every ticket has an id (`actor name|incarnation|n`) and an expiry in a sorted set. It ends
 in exactly one way, each counted in the run's `counts` hash:
@@ -45,7 +46,7 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 """
 
-# KEYS: held, lost, accepted, weights_latest, counts. ARGV: ticket, ttl_s, B, slack = (eta + 1) * k * B.
+# KEYS: held, lost, accepted, weights_latest, counts. ARGV: ticket, ttl_s, B, slack = (eta + 1) * B.
 _ACQUIRE_LUA = _NOW + """
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return {1, -1, -1} end  -- granted before, reply lost
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
@@ -150,11 +151,11 @@ class Admission:
     """One actor's side of the tickets. `ticket_ttl_s` is how long a ticket lives without
     a renewal (the actor's heartbeat renews the tickets it holds)."""
 
-    def __init__(self, client, keys: Keys, groups_per_step: int, eta: int, publish_every: int = 1,
-                 ticket_ttl_s: float = 60.0, poll_s: float = 0.05):
+    def __init__(self, client, keys: Keys, groups_per_step: int, eta: int, ticket_ttl_s: float = 60.0,
+                 poll_s: float = 0.05):
         self.client, self.keys = client, keys
         self.groups_per_step = groups_per_step
-        self.slack = (eta + 1) * publish_every * groups_per_step
+        self.slack = (eta + 1) * groups_per_step  # eta: optimizer steps ahead (learner.steps_ahead)
         self.ttl_s, self.poll_s = ticket_ttl_s, poll_s
         self._acquire = client.register_script(_ACQUIRE_LUA)
         self._commit = client.register_script(_COMMIT_LUA)

@@ -221,10 +221,13 @@ class LearnerConfig(Section):
     the loss a token sum over a constant), rloo (leave-one-out mean of the group), reinforce (the
     batch's mean reward as baseline), gigpo (grpo plus step-level advantages over the group's turns
     taken in the same state), ppo (a critic: a value head on the policy, GAE or V-trace)."""
-    loss: Literal["decoupled", "naive"] = "decoupled"
-    """decoupled: PPO's ratio against the learner's own weights before the update (proximal), the
-    behaviour policy's tokens weighted by min(exp(lp - lb), behav_weight_cap) (docs/concepts/loss.md);
-    naive: PPO's ratio against the behaviour log-probs, as if the data were fresh (for comparison)."""
+    loss: Literal["decoupled", "naive", "tis"] = "decoupled"
+    """The off-policy correction (docs/concepts/loss.md). decoupled (AReaL): PPO's ratio against the
+    learner's own weights before the batch's first update (proximal), the behaviour policy's tokens
+    weighted by min(exp(lp - lb), behav_weight_cap); its clip acts only from a batch's second update
+    on (minibatches or ppo_epochs > 1). naive: PPO's ratio against the behaviour log-probs, as if the
+    data were fresh. tis (PipelineRL, verl's rollout correction): no ratio and no clip, the policy
+    gradient weighted by min(exp(lc - lb), behav_weight_cap), tokens past behav_reject masked."""
     gamma: float = Field(1.0, ge=0, le=1)
     """Discount per generated token (ppo) or per turn (gigpo's step returns)."""
     gae_lambda: float = Field(1.0, ge=0, le=1)
@@ -271,9 +274,13 @@ class LearnerConfig(Section):
     dual_clip: float | None = Field(None, gt=1)
     """Dual-clip constant for negative advantages (None: off)."""
     eta: int = Field(2, ge=0)
-    """Staleness bound (async mode): actors start a group only while started < (V + eta + 1) * B."""
+    """Staleness bound (async mode), in optimizer steps: actors start a group only while the groups
+    started and not failed stay under (S + eta + 1) x B, S the step of the newest published weights,
+    so a group trained in turn comes from weights at most eta steps older than the learner's. At
+    least publish_every - 1 (weights published every k steps are up to k - 1 steps old)."""
     max_staleness: int = Field(1000, ge=0)
-    """Hard cap: groups staler than this (versions) go to the dead letters as `stale`."""
+    """Hard cap: groups whose oldest token is more than this many optimizer steps stale go to the
+    dead letters as `stale`."""
     checkpoint_every: int = Field(1, ge=1)
     """Checkpoint every k steps; groups are acknowledged only once a checkpoint holds them."""
     keep_checkpoints: int = Field(2, ge=1)
@@ -334,9 +341,10 @@ class LearnerConfig(Section):
     """Seed for torch."""
 
     @property
-    def versions_ahead(self) -> int:
-        """How many versions actors may run ahead of the learner: eta, or 0 in sync mode."""
-        return 0 if self.mode == "sync" else self.eta
+    def steps_ahead(self) -> int:
+        """How many optimizer steps actors may run ahead of the learner's newest published weights:
+        eta, or in sync mode the steps one version serves (publish_every - 1)."""
+        return self.publish_every - 1 if self.mode == "sync" else self.eta
 
 
 class WeightsConfig(Section):
@@ -441,6 +449,11 @@ class Config(Section):
             raise ValueError(
                 f"learner.dedup_window must cover the groups that can be pending or waiting in the streams "
                 f"({pending + self.redis.max_stream_len * self.redis.shards}): raise learner.dedup_window")
+        if lcfg.mode == "async" and lcfg.eta < lcfg.publish_every - 1:
+            raise ValueError(f"learner.eta ({lcfg.eta}) must be at least learner.publish_every - 1 "
+                             f"({lcfg.publish_every - 1}): eta counts optimizer steps, and weights published every "
+                             f"{lcfg.publish_every} steps are already up to {lcfg.publish_every - 1} steps old; raise "
+                             f"learner.eta or lower learner.publish_every")
         if self.redis.ticket_ttl_s < 3 * self.actor.heartbeat_s:
             raise ValueError(f"redis.ticket_ttl_s must be at least 3 x actor.heartbeat_s ({3 * self.actor.heartbeat_s}s): "
                              f"heartbeats renew tickets, and one missed heartbeat must not return them")

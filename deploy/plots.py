@@ -17,7 +17,7 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path) -> Path:
     rows = read_jsonl(metrics_path)
     steps = [r["step"] for r in rows]
     panels = [("reward/mean", "mean reward"), ("perf/tokens_per_s", "trained tokens/s"),
-              ("staleness/mean", "mean staleness (versions)")]
+              ("staleness/mean", "mean staleness (optimizer steps)")]
     evals = [r for r in rows if "eval/reward" in r]
     fig, axes = plt.subplots(1, len(panels) + bool(evals), figsize=(5 * (len(panels) + bool(evals)), 3.5))
     for ax, (key, title) in zip(axes, panels):

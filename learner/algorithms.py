@@ -191,6 +191,34 @@ class LossConfig:
     dual_clip: float | None = None
 
 
+def behaviour_weight(num_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, m: torch.Tensor, cfg: LossConfig
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The importance weight of the behaviour policy's tokens under `num_logprobs`' policy, no
+    gradient: w = min(exp(num - lb), C), and tokens whose exp(num - lb) is above `behav_reject`
+    masked out. Returns (w, kept mask, truncated, rejected)."""
+    ratio = torch.exp(num_logprobs - behav_logprobs).detach()
+    rejected = (ratio > cfg.behav_reject) & (m > 0)
+    truncated = (ratio > cfg.behav_weight_cap) & (m > 0) & ~rejected
+    return ratio.clamp(max=cfg.behav_weight_cap), m * (~rejected).float(), truncated, rejected
+
+
+def _loss_stats(m, kept, weight, truncated, rejected, log_ratio, clipped, ratio) -> dict[str, torch.Tensor]:
+    """Sums over the tokens of one loss call (`loss_metrics` turns summed sums into metrics);
+    log_ratio: log(behaviour weight's numerator / behaviour) on the trained tokens."""
+    w_kept = weight * kept
+    return {
+        "tokens": m.sum(), "kept": kept.sum(), "w": w_kept.sum(), "w2": (w_kept ** 2).sum(),
+        # k3 estimator of KL(behaviour || the weight's numerator), always >= 0.
+        "kl": ((torch.exp(log_ratio) - log_ratio - 1) * m).sum(),
+        "truncated": truncated.float().sum(), "rejected": rejected.float().sum(),
+        "clipped": (clipped & (kept > 0)).float().sum(), "ratio": (ratio * kept).sum(),
+    }
+
+
+def _expand(advantages: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    return advantages if advantages.shape == like.shape else advantages.unsqueeze(1).expand_as(like)
+
+
 def policy_loss(cur_logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_logprobs: torch.Tensor,
                 advantages: torch.Tensor, loss_mask: torch.Tensor, cfg: LossConfig,
                 norm_tokens: float | torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -201,16 +229,12 @@ def policy_loss(cur_logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_l
     r = exp(lc - lp); loss = -(1/n) sum m w min(r A, clip(r, 1-eps_low, 1+eps_high) A), with n
     the trained tokens (`norm_tokens`, default sum m) counted before rejection, as AReaL does: it
     is known before the forward, so micro-batches and ranks sum to the loss of the whole batch.
+    Naive PPO is this loss with the behaviour log-probs as the proximal ones (w = 1).
     Returns the loss and sums over these tokens (`loss_metrics` turns summed sums into metrics).
     """
-    if advantages.shape != cur_logprobs.shape:
-        advantages = advantages.unsqueeze(1).expand_as(cur_logprobs)
+    advantages = _expand(advantages, cur_logprobs)
     m = loss_mask.float()
-    behav_ratio = torch.exp(prox_logprobs - behav_logprobs).detach()
-    rejected = (behav_ratio > cfg.behav_reject) & (m > 0)
-    truncated = (behav_ratio > cfg.behav_weight_cap) & (m > 0) & ~rejected
-    kept = m * (~rejected).float()
-    weight = behav_ratio.clamp(max=cfg.behav_weight_cap)
+    weight, kept, truncated, rejected = behaviour_weight(prox_logprobs, behav_logprobs, m, cfg)
 
     ratio = torch.exp(cur_logprobs - prox_logprobs.detach())
     unclipped = ratio * advantages
@@ -220,17 +244,29 @@ def policy_loss(cur_logprobs: torch.Tensor, prox_logprobs: torch.Tensor, behav_l
         objective = torch.where(advantages < 0, torch.maximum(objective, cfg.dual_clip * advantages), objective)
     denom = norm_tokens if norm_tokens is not None else m.sum().clamp(min=1.0)
     loss = -(kept * weight * objective).sum() / denom
-
     with torch.no_grad():
-        log_ratio = (prox_logprobs - behav_logprobs) * m
-        w_kept = weight * kept
-        stats = {
-            "tokens": m.sum(), "kept": kept.sum(), "w": w_kept.sum(), "w2": (w_kept ** 2).sum(),
-            # k3 estimator of KL(behaviour || proximal), always >= 0.
-            "kl": ((torch.exp(log_ratio) - log_ratio - 1) * m).sum(),
-            "truncated": truncated.float().sum(), "rejected": rejected.float().sum(),
-            "clipped": ((unclipped != objective) & (kept > 0)).float().sum(), "ratio": (ratio * kept).sum(),
-        }
+        stats = _loss_stats(m, kept, weight, truncated, rejected, (prox_logprobs - behav_logprobs) * m,
+                            unclipped != objective, ratio)
+    return loss, stats
+
+
+def tis_loss(cur_logprobs: torch.Tensor, behav_logprobs: torch.Tensor, advantages: torch.Tensor,
+             loss_mask: torch.Tensor, cfg: LossConfig, norm_tokens: float | torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Truncated importance-sampled policy gradient (learner.loss = "tis": PipelineRL's loss,
+    verl's rollout correction with the token-level cap): w = min(exp(lc - lb), C) with no
+    gradient, tokens whose exp(lc - lb) is above `behav_reject` masked out (masked IS), and
+    loss = -(1/n) sum m w lc A, n as `policy_loss`'s. No proximal policy and no clip: the cap is
+    its whole trust region, and a token past it keeps its gradient, scaled to C, where PPO's clip
+    drops it. Stats as `policy_loss`'s (`clipped` counts the truncated tokens)."""
+    advantages = _expand(advantages, cur_logprobs)
+    m = loss_mask.float()
+    weight, kept, truncated, rejected = behaviour_weight(cur_logprobs, behav_logprobs, m, cfg)
+    denom = norm_tokens if norm_tokens is not None else m.sum().clamp(min=1.0)
+    loss = -(kept * weight * cur_logprobs * advantages).sum() / denom
+    with torch.no_grad():
+        stats = _loss_stats(m, kept, weight, truncated, rejected, (cur_logprobs - behav_logprobs) * m, truncated,
+                            weight)
     return loss, stats
 
 

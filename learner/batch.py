@@ -23,7 +23,7 @@ class Batch:
     behav_logprobs: torch.Tensor  # (N, T)
     advantages: torch.Tensor  # (N, T) per token (0 off the generated tokens); the critic's fill them in training
     token_rewards: torch.Tensor  # (N, T) each turn's reward on its last generated token (the critic's rewards)
-    stale: torch.Tensor  # (N,) bool: some token of the sample came from an older weight version than the learner's
+    stale: torch.Tensor  # (N,) bool: some token of the sample came from weights older than the learner's
     temperature: torch.Tensor  # (N,) the temperature each sample was drawn at
     rewards: np.ndarray  # (N,)
     group_signal: np.ndarray  # (n_groups,) bool
@@ -75,12 +75,13 @@ class MicroBatch:
     cpu_rows: tuple[torch.Tensor, torch.Tensor]  # the rows as indices into the Batch's (N, T) tensors
 
 
-def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0, version: int | None = None,
+def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0, stale: list[bool] | None = None,
             gamma: float = 1.0, step_weight: float = 1.0) -> Batch:
     """Padded tensors of the groups' samples, with each token's advantage by `algorithm`
-    (learner.algorithm); samples of groups without signal get loss mask 0. `version`: the
-    learner's, to mark stale samples; `gamma`, `step_weight`: GiGPO's discount and weight of
-    its step-level advantages. With a critic (ppo) the advantages are left at 0 for the trainer."""
+    (learner.algorithm); samples of groups without signal get loss mask 0. `stale`: per sample,
+    whether some token came from weights older than the learner's (None: none did); `gamma`,
+    `step_weight`: GiGPO's discount and weight of its step-level advantages. With a critic (ppo)
+    the advantages are left at 0 for the trainer."""
     samples = [s for g in groups for s in g.samples]
     T = max(len(s.tokens) for s in samples)
     N = len(samples)
@@ -124,7 +125,7 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
     # Greedy decoding (0) is scored as temperature 1: its log-probs are those of the raw logits.
     temperature = torch.tensor([float(g.sampling.get("temperature", 1.0)) or 1.0
                                 for g in groups for _ in g.samples], dtype=torch.float32)
-    stale = torch.tensor([version is not None and 0 <= s.oldest_version() < version for s in samples])
+    stale = torch.tensor(stale if stale is not None else [False] * N, dtype=torch.bool)
     return Batch(tokens, attention, loss_mask, generated, behav, advantages, token_rewards, stale, temperature,
                  np.array([s.reward for s in samples], np.float32), np.array(signal), len(groups))
 

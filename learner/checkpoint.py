@@ -38,6 +38,25 @@ class LearnerState:
     groups_trained: int = 0
     trained_ids: list[str] = dataclasses.field(default_factory=list)
     """The newest group ids trained on, oldest first (at most the dedup window)."""
+    published: list[list[int]] = dataclasses.field(default_factory=list)
+    """[version, step] of the newest weight versions published, oldest first: the step whose
+    weights each version holds, so that staleness is counted in optimizer steps."""
+
+    def published_now(self, keep: int) -> None:
+        """The current version was published with the current step's weights; `keep` newest kept."""
+        self.published = [p for p in self.published if p[0] != self.version][-(keep - 1):] + [[self.version, self.step]]
+
+    def steps_behind(self, version: int) -> int:
+        """Optimizer steps between the weights of `version` and the learner's now: 0 for a version
+        this learner never published (-1, no generated token; or one published after its last
+        checkpoint, before a crash), and for one older than every version kept, at least the steps
+        behind the oldest kept."""
+        steps = dict(map(tuple, self.published))
+        if version in steps:
+            return self.step - steps[version]
+        if version >= 0 and self.published and version < self.published[0][0]:  # versions only grow
+            return self.step - self.published[0][1]
+        return 0
 
 
 class RecentIds:

@@ -5,7 +5,8 @@ micro-batch's loss is divided by the minibatch's trained-token count, so the ste
 one forward of the whole minibatch on one process.
 
 Proximal log-probs are computed once, before the first update, when there are several
-updates per batch; with one (the default) they equal the current ones and are not computed.
+updates per batch under the decoupled loss; with one (the default) they equal the current ones
+and are not computed.
 The same pass gives the critic's values (learner.algorithm = "ppo"), from which the trainer
 computes GAE or V-trace advantages and value targets, and a frozen reference model's
 log-probs when the loss has a KL penalty (learner.kl_coef).
@@ -34,6 +35,7 @@ from learner.algorithms import (
     kl_penalty,
     loss_metrics,
     policy_loss,
+    tis_loss,
     value_loss,
     vtrace,
 )
@@ -115,9 +117,11 @@ class Trainer:
         steps = plan(batch, cfg.minibatches, self.parallel.world, cfg.max_tokens_per_microbatch)
         updates = cfg.ppo_epochs * len(steps.minibatches)
         mine = [micro for mb in steps.minibatches for micro in mb[rank]]
-        if updates > 1 or self.critic or self.reference is not None:
+        # The proximal policy (the weights before the first update) is the decoupled loss's, and the critic's.
+        proximal = (updates > 1 and cfg.loss == "decoupled") or self.critic
+        if proximal or self.reference is not None:
             with self.timer("proximal"):
-                self._before_update(batch, mine, policy=updates > 1 or self.critic)
+                self._before_update(batch, mine, policy=proximal)
         vtrace_share = self._critic_advantages(batch, mine) if self.critic else 0.0
         totals: dict[str, torch.Tensor] = {}
         grad_norms = []
@@ -247,12 +251,15 @@ class Trainer:
         cfg = self.cfg
         mb = batch.micro(idx, self.device)
         cur, entropy, values = self._score(mb)  # (M,) each
-        if cfg.loss == "naive":  # the behaviour policy as the proximal one: no correction for staleness
-            prox = mb.behav_logprobs
+        if cfg.loss == "tis":
+            pg_loss, stats = tis_loss(cur, mb.behav_logprobs, mb.advantages, mb.loss_mask, self.loss_cfg, n_policy)
         else:
-            prox = mb.prox_logprobs if mb.prox_logprobs is not None else cur.detach()
-        pg_loss, stats = policy_loss(cur, prox, mb.behav_logprobs, mb.advantages, mb.loss_mask, self.loss_cfg,
-                                     norm_tokens=n_policy)
+            if cfg.loss == "naive":  # the behaviour policy as the proximal one: no correction for staleness
+                prox = mb.behav_logprobs
+            else:
+                prox = mb.prox_logprobs if mb.prox_logprobs is not None else cur.detach()
+            pg_loss, stats = policy_loss(cur, prox, mb.behav_logprobs, mb.advantages, mb.loss_mask, self.loss_cfg,
+                                         norm_tokens=n_policy)
         # Over every generated token, groups without signal included: that is where a
         # collapsed (deterministic) policy needs the push back towards exploring.
         loss = pg_loss - cfg.entropy_coef * entropy.sum() / n_gen

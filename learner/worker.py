@@ -94,9 +94,9 @@ class Learner:
         return read_state(Path(path)) if self.parallel.is_main else None
 
     def _op_train(self, payload: dict) -> tuple[dict, Batch]:
-        """payload: the groups' messages and the learner's version (rank 0 knows it)."""
+        """payload: the groups' messages and which of their samples are stale (rank 0 knows it)."""
         lcfg = self.cfg.learner
-        batch = collate([decode_group(d) for d in payload["groups"]], lcfg.algorithm, version=payload["version"],
+        batch = collate([decode_group(d) for d in payload["groups"]], lcfg.algorithm, stale=payload["stale"],
                         gamma=lcfg.gamma, step_weight=lcfg.gigpo_step_weight)
         return self.trainer.train_step(batch), batch
 
@@ -159,11 +159,12 @@ class Learner:
                 log.info("group %s delivered again (entry %s): already trained on, acknowledged", gid, d.entry_id)
                 bridge.ack([d])
                 continue
-            staleness = self.state.version - d.group.oldest_version()
-            log.debug("group %s from %s: staleness %d", gid, d.group.actor_id, staleness)
+            staleness = self.state.steps_behind(d.group.oldest_version())
+            log.debug("group %s from %s: staleness %d steps", gid, d.group.actor_id, staleness)
             if staleness > lcfg.max_staleness:
                 self.counts["stale"] += 1
-                bridge.dead_letter(d, "stale", f"staleness {staleness} > learner.max_staleness {lcfg.max_staleness}")
+                bridge.dead_letter(d, "stale", f"staleness {staleness} steps > learner.max_staleness "
+                                               f"{lcfg.max_staleness}")
                 continue
             batch.append(d)
         return batch
@@ -172,6 +173,7 @@ class Learner:
         store: WeightStore = bridge.store
         weights = self._all("weights")
         version, step = self.state.version, self.state.step
+        self.state.published_now(keep=self.cfg.learner.max_staleness + 2)
         keys = bridge.keys
         trained = self.state.groups_trained
         # broadcast: each actor's link sends it when the actor asks
@@ -330,8 +332,10 @@ class Learner:
     def _step(self, bridge: BrokerBridge, deliveries: list[Delivery]) -> dict:
         lcfg = self.cfg.learner
         groups = [d.group for d in deliveries]
-        staleness = np.array([self.state.version - g.oldest_version() for g in groups])
-        metrics, batch = self._all("train", {"groups": [d.data for d in deliveries], "version": self.state.version})
+        # In optimizer steps: how many updates the weights that generated a group's oldest token lag behind.
+        staleness = np.array([self.state.steps_behind(g.oldest_version()) for g in groups])
+        stale = [self.state.steps_behind(s.oldest_version()) > 0 for g in groups for s in g.samples]
+        metrics, batch = self._all("train", {"groups": [d.data for d in deliveries], "stale": stale})
         self.state.step += 1
         if self.state.step % lcfg.publish_every == 0:
             self.state.version += 1

@@ -76,10 +76,12 @@ class ChaosRun:
         assert len(pids) == 1, (pattern, [(_cmdline(p)) for p in pids])
         return pids[0]
 
-    def fault(self, name: str, pattern: str, sig: int, after_steps: int) -> int:
-        """Wait a random 0-3 steps more, then a random fraction of a step, then signal."""
+    def fault(self, name: str, pattern: str, sig: int, after_steps: int, ready=None) -> int:
+        """Wait a random 0-3 steps more, then a random fraction of a step (then until `ready()`), then signal."""
         self.wait(lambda: self.steps() >= after_steps + self.rng.randrange(4), f"step {after_steps}")
         time.sleep(self.rng.random() * 1.5)
+        if ready is not None:
+            self.wait(ready, f"{name} ready for its fault")
         pid = self.pid(pattern)
         step = self.steps()
         os.kill(pid, sig)
@@ -87,18 +89,28 @@ class ChaosRun:
         print(self.events[-1], flush=True)
         return step
 
-    def member(self, index: int) -> dict | None:
-        async def read():
+    def _read(self, read):
+        """`read(client, keys)` against the run's Redis; None while it is unreachable."""
+        async def run():
             client = connect(self.config()["redis"]["url"])
             try:
-                members = {m["id"]: m for m in await _members(client, Keys(self.config()["redis"]["run"]))}
+                return await read(client, Keys(self.config()["redis"]["run"]))
             finally:
                 await client.aclose()
-            return next((m for name, m in members.items() if name.endswith(f"-{index}")), None)
         try:
-            return asyncio.run(read())
+            return asyncio.run(run())
         except (OSError, RedisConnectionError):
             return None
+
+    def member(self, index: int) -> dict | None:
+        members = self._read(_members) or []
+        return next((m for m in members if m["id"].endswith(f"-{index}")), None)
+
+    def tickets_held_by(self, index: int) -> int:
+        """Admission tickets (`name|incarnation|n`) held now by actor `index`'s processes."""
+        async def held(client, keys):
+            return [t.decode() for t in await client.zrange(keys.tickets_held, 0, -1)]
+        return sum(t.split("|", 1)[0].endswith(f"-{index}") for t in self._read(held) or [])
 
     def actor_back(self, index: int, old_pid: int) -> bool:
         """The successor heartbeats, on a version newer than the first, and has produced."""
@@ -106,7 +118,7 @@ class ChaosRun:
         return m is not None and m["pid"] != old_pid and m["groups"] > 0 and m["version"] >= 1
 
 
-async def _members(client, keys):
+async def _members(client, keys) -> list[dict]:
     from broker.membership import Membership
 
     return await Membership(client, keys).members(dead_after_s=3600)
@@ -149,7 +161,12 @@ def test_every_process_can_die_and_the_run_finishes_with_every_group_accounted_f
         # 1. SIGKILL an actor: its successor returns its tickets and starts on the current weights.
         victim = chaos.rng.randrange(2)
         old = chaos.pid(rf"-m actors --config {cfg_pattern} --index {victim}\b")
-        chaos.fault(f"actor{victim}", rf"-m actors --config {cfg_pattern} --index {victim}\b", signal.SIGKILL, 4)
+        # It is killed while it holds tickets (an actor waiting for admission may hold none);
+        # those it still holds once dead are the ones that must come back as actor_lost.
+        chaos.fault(f"actor{victim}", rf"-m actors --config {cfg_pattern} --index {victim}\b", signal.SIGKILL, 4,
+                    ready=lambda: chaos.tickets_held_by(victim) > 0)
+        lost = chaos.tickets_held_by(victim)
+        print(f"actor{victim} died holding {lost} tickets", flush=True)
         chaos.wait(lambda: chaos.actor_back(victim, old), f"actor{victim} back and producing")
 
         # 2. SIGKILL the env server: groups in flight fail with a reason, actors wait and go on.
@@ -202,7 +219,7 @@ def test_every_process_can_die_and_the_run_finishes_with_every_group_accounted_f
     counts = books["counts"]
     failed = {k.split(":", 1)[1]: v for k, v in counts.items() if k.startswith("failed:") and v}
     assert set(failed) <= FAILURE_REASONS, failed
-    assert failed.get("actor_lost", 0) >= 1  # the SIGKILLed actor held tickets; they came back
+    assert lost >= 1 and failed.get("actor_lost", 0) >= lost  # the SIGKILLed actor's tickets came back
     assert counts["started"] == counts["produced"] + sum(failed.values()) + books["held"]
     dead_ids = [decode_group(data).group_id for reason, data in books["dead"] if reason == "stale"]
     assert len(dead_ids) == len(books["dead"])  # only ever stale groups; no garbage was produced

@@ -1,5 +1,5 @@
-"""Admission tickets on real Redis servers (6.2 and 7): the staleness bound counts versions
-(so publish_every > 1 works), and no ticket is ever leaked: failed, cancelled and
+"""Admission tickets on real Redis servers (6.2 and 7): the staleness bound counts optimizer
+steps whatever publish_every is, and no ticket is ever leaked: failed, cancelled and
 dead actors' tickets come back, each counted, and the books balance."""
 
 import asyncio
@@ -31,14 +31,14 @@ def balanced(counts: dict) -> bool:
 
 
 @pytest.mark.parametrize("publish_every", [1, 2, 3])
-def test_bound_counts_versions_whatever_publish_every_is(redis_server_url, run_name, publish_every):
-    B, eta, k = 2, 1, publish_every
+def test_bound_counts_optimizer_steps_whatever_publish_every_is(redis_server_url, run_name, publish_every):
+    B, eta, k = 2, 2, publish_every  # eta >= k - 1, as the config requires
 
     async def scenario():
         client = connect(redis_server_url)
         keys = Keys(run_name)
-        admission = Admission(client, keys, groups_per_step=B, eta=eta, publish_every=k)
-        slack = (eta + 1) * k * B
+        admission = Admission(client, keys, groups_per_step=B, eta=eta)
+        slack = (eta + 1) * B  # eta steps ahead of the newest weights' step, not eta versions
         granted = [await admission.try_acquire(f"a|1|{i}") for i in range(slack + 2)]
         assert granted == [True] * slack + [False] * 2
         for i in range(slack):
@@ -49,7 +49,7 @@ def test_bound_counts_versions_whatever_publish_every_is(redis_server_url, run_n
         # Many actors at once never overshoot: check and grant are one script.
         await publish(client, keys, 4, 4 * k)
         results = await asyncio.gather(*[admission.try_acquire(f"b|1|{i}") for i in range(40)])
-        assert sum(results) == 3 * k * B
+        assert sum(results) == 3 * k * B  # step 4k: 3k steps' worth more
         counts = await group_counts(client, keys)
         assert counts["started"] == slack + k * B + 3 * k * B and balanced(counts)
         await client.aclose()
@@ -127,12 +127,13 @@ def test_floor_and_dead_letters_keep_the_bound_honest(redis_server_url, run_name
 def test_actors_dying_with_tickets_never_stall_the_learner(redis_server_url, run_name, publish_every):
     """Simulated actors (5 group loops each) produce through the real producer, which
     commits each ticket after its XADD; a fifth of the groups fail; three actors die
-    holding a ticket in every loop (15 tickets, more than the bound's slack of (eta + 1) k B =
-    6k, so a leak would stall the run for good). A simulated learner consumes B groups a step
-    through the real consumer and publishes every k steps: it must reach its steps, and at
-    every step the groups started and not failed must stay within the bound, as counted
-    from the outside: started - failed <= S B + (eta + 1) k B, S the newest published step."""
-    B, eta, k, steps, loops = 3, 1, publish_every, 30, 5
+    holding a ticket in every loop (15 tickets, more than the bound's slack of (eta + 1) B =
+    3k + 3, so a leak would stall the run for good). A simulated learner consumes B groups a
+    step through the real consumer and publishes every k steps: it must reach its steps, and
+    at every step the groups started and not failed must stay within the bound, as counted
+    from the outside: started - failed <= S B + (eta + 1) B, S the newest published step."""
+    B, k, steps, loops = 3, publish_every, 30, 5
+    eta = k  # at least k - 1
 
     async def scenario():
         client = connect(redis_server_url, blocking=True)
@@ -143,7 +144,7 @@ def test_actors_dying_with_tickets_never_stall_the_learner(redis_server_url, run
         rng = random.Random(publish_every)
 
         async def actor(name: str, dies_after: int | None):
-            admission = Admission(client, keys, B, eta, k, ticket_ttl_s=0.5, poll_s=0.01)
+            admission = Admission(client, keys, B, eta, ticket_ttl_s=0.5, poll_s=0.01)
             producer = RolloutProducer(client, keys, max_len=1000, retry=RetryPolicy(attempts=3), admission=admission)
             tickets = itertools.count()
             dead = asyncio.Event()
@@ -179,7 +180,7 @@ def test_actors_dying_with_tickets_never_stall_the_learner(redis_server_url, run
                 batch += await consumer.read(B - len(batch), block_ms=200)
             await consumer.ack([e.id for e in batch])
             counts = await group_counts(client, keys)
-            ahead.append(counts["started"] - sum(counts["failed"].values()) - (published_step * B + (eta + 1) * k * B))
+            ahead.append(counts["started"] - sum(counts["failed"].values()) - (published_step * B + (eta + 1) * B))
             if step % k == 0:
                 version += 1
                 published_step = step

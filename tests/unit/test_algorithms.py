@@ -15,6 +15,7 @@ from learner.algorithms import (
     kl_penalty,
     loss_metrics,
     policy_loss,
+    tis_loss,
     vtrace,
 )
 from learner.scoring import head_logprobs
@@ -35,6 +36,15 @@ def np_loss(lc, lp, lb, adv, mask, C=2.0, reject=5.0, eps_low=0.2, eps_high=0.28
     if dual is not None:
         obj = np.where(adv < 0, np.maximum(obj, dual * adv), obj)
     return -(m * w * obj).sum() / mask.sum()  # over the trained tokens, rejected ones included
+
+
+def np_tis(lc, lb, adv, mask, C=2.0, reject=5.0):
+    """TIS's loss value, and its gradient in lc (the weight carries none): -m w A / n."""
+    adv = np.broadcast_to(adv[:, None], lc.shape)
+    ratio = np.exp(lc - lb)
+    m = mask * (ratio <= reject)
+    w = np.minimum(ratio, C)
+    return -(m * w * lc * adv).sum() / mask.sum(), -(m * w * adv) / mask.sum()
 
 
 def np_rloo(rewards):
@@ -111,6 +121,29 @@ def test_policy_gradient_matches_numpy_finite_difference():
     bumped[i, j] += h
     numeric = (np_loss(bumped, lp, lb, adv, mask) - np_loss(lc, lp, lb, adv, mask)) / h
     assert float(cur.grad[i, j]) == pytest.approx(numeric, rel=1e-3, abs=1e-7)
+
+
+def test_tis_loss_and_its_gradient_match_numpy():
+    rng = np.random.default_rng(4)
+    N, T = 6, 9
+    lb = rng.normal(-2, 0.5, (N, T))
+    lc = lb + rng.normal(0, 0.8, (N, T))  # some weights past C, some past reject
+    adv = rng.normal(0, 1, N)
+    mask = (rng.random((N, T)) > 0.3).astype(np.float64)
+    cur = torch.tensor(lc, requires_grad=True)
+    loss, stats = tis_loss(cur, *(torch.tensor(x) for x in (lb, adv, mask)), LossConfig())
+    loss.backward()
+    expected, grad = np_tis(lc, lb, adv, mask)
+    assert float(loss) == pytest.approx(expected, rel=1e-9)
+    np.testing.assert_allclose(cur.grad.numpy(), grad, rtol=1e-9, atol=1e-12)
+    ratio = np.exp(lc - lb)[mask > 0]
+    metrics = loss_metrics(stats)
+    assert 0 < metrics["frac_truncated"] == pytest.approx(((ratio > 2) & (ratio <= 5)).mean())
+    assert 0 < metrics["frac_rejected"] == pytest.approx((ratio > 5).mean())
+    # Unlike PPO's clip, a truncated token still has a gradient (scaled to C); a rejected one has none.
+    truncated, rejected = (np.exp(lc - lb) > 2) & (np.exp(lc - lb) <= 5), np.exp(lc - lb) > 5
+    assert (cur.grad.numpy()[truncated & (mask > 0)] != 0).all()
+    assert (cur.grad.numpy()[rejected] == 0).all()
 
 
 def test_on_policy_loss_is_minus_mean_advantage():

@@ -23,6 +23,28 @@ def test_recent_ids_keep_the_newest_and_forget_the_oldest():
     assert ids.to_list() == ["b", "c", "d"] and "a" not in ids and "d" in ids and len(ids) == 3
 
 
+def test_staleness_is_counted_in_optimizer_steps_across_a_restart(tmp_path):
+    state = LearnerState()
+    state.published_now(keep=4)  # version 0: step 0's weights
+    for step in range(1, 7):  # publish_every = 2
+        state.step = step
+        if step % 2 == 0:
+            state.version += 1
+            state.published_now(keep=4)
+    assert state.published == [[0, 0], [1, 2], [2, 4], [3, 6]]
+    assert [state.steps_behind(v) for v in (0, 1, 2, 3, -1)] == [6, 4, 2, 0, 0]
+    # Checkpointed, restarted; weights newer than the checkpoint had been published (version 4, step
+    # 8) before the crash: the new learner publishes its weights as version 5, still at step 6.
+    state = read_state(save(tmp_path, state, torch.nn.Linear(2, 2), keep=1))
+    state.version = 5
+    state.published_now(keep=4)
+    state.step = 7
+    assert state.published == [[1, 2], [2, 4], [3, 6], [5, 6]]  # the oldest beyond `keep` forgotten
+    assert [state.steps_behind(v) for v in (5, 3, 1)] == [1, 1, 5]
+    assert state.steps_behind(4) == 0  # the lost version: newer than the checkpoint's weights
+    assert state.steps_behind(0) == 5  # older than every version kept: at least the oldest's
+
+
 def save(directory, state: LearnerState, module: torch.nn.Module, keep: int):
     path = begin(directory, state.step)
     save_shards({"model": module.state_dict()}, path, group=None, background=False)

@@ -88,8 +88,11 @@ def test_fault_tolerance_settings_are_checked(overrides, message):
 
 
 def test_sync_mode_runs_no_version_ahead_and_bad_modes_are_refused():
-    assert load_config(None, ["learner.eta=4"], environ={}).learner.versions_ahead == 4
-    assert load_config(None, ["learner.mode=sync", "learner.eta=4"], environ={}).learner.versions_ahead == 0
+    assert load_config(None, ["learner.eta=4"], environ={}).learner.steps_ahead == 4
+    assert load_config(None, ["learner.mode=sync", "learner.eta=4"], environ={}).learner.steps_ahead == 0
+    assert load_config(None, ["learner.mode=sync", "learner.publish_every=3"], environ={}).learner.steps_ahead == 2
+    with pytest.raises(ConfigError, match=r"learner.eta \(1\) must be at least learner.publish_every - 1 \(2\)"):
+        load_config(None, ["learner.eta=1", "learner.publish_every=3"], environ={})
     with pytest.raises(ConfigError, match="learner.mode"):
         load_config(None, ["learner.mode=lockstep"], environ={})
 

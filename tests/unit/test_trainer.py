@@ -81,15 +81,48 @@ def test_micro_batches_give_the_gradients_of_one_batch(tiny_model):
     assert max(float(g.abs().max()) for g in whole.values()) > 1e-3  # there was a gradient to compare
 
 
-def test_one_update_skips_the_proximal_pass_and_several_updates_clip(tiny_model):
+def stale_groups(tiny_model, shift: float = 0.5):
+    """varied_groups whose behaviour log-probs are the tiny model's own less `shift` on every other
+    generated token: as if older weights had sampled them (the learner's policy now puts more
+    mass on half of them)."""
+    from learner.trainer import Trainer
+
     groups = varied_groups()
+    trainer = Trainer(load_causal_lm(tiny_model), LearnerConfig())
+    batch = collate(groups)
+    trainer._before_update(batch, [list(range(len(batch.rewards)))], policy=True)
+    samples = [s for g in groups for s in g.samples]
+    for i, s in enumerate(samples):
+        own = batch.prox_logprobs[i, :len(s.tokens)].numpy()
+        gen = np.flatnonzero(s.loss_mask)[1:]  # the first token is never scored
+        s.logprobs[gen] = own[gen] - shift * (np.arange(gen.size) % 2)
+    return groups
+
+
+def test_each_correction_acts_on_stale_samples_and_the_trust_region_needs_several_updates(tiny_model):
+    groups = stale_groups(tiny_model)
+    # decoupled, one update: no proximal pass, so no trust region (the ratio is its own weights' over
+    # themselves); the stale tokens are weighted by exp(lp - lb) = e^0.5 on half the tokens.
     _, one = first_step(tiny_model, groups)
     assert "learner/time/proximal_s" not in one and one["learner/updates"] == 1
-    assert one["learner/frac_clipped"] == 0 and one["learner/ratio_mean"] == pytest.approx(1.0)
+    w = np.array([1.0, np.exp(0.5)])  # the two weights, on about half the tokens each
+    assert one["learner/frac_clipped"] == 0 and one["learner/ess"] == pytest.approx(w.mean() ** 2 / (w ** 2).mean(),
+                                                                                   abs=0.02)
+    assert one["learner/mismatch_kl"] == pytest.approx((np.exp(0.5) - 1.5) / 2, rel=0.15)  # k3 of 0.5 on half
+    # naive: the ratio against the behaviour policy, so the clip acts on the first update already:
+    # e^0.5 = 1.65 is past 1.2 on half the tokens, and clips the half of those with A > 0
+    _, naive = first_step(tiny_model, groups, loss="naive")
+    assert 0.15 < naive["learner/frac_clipped"] < 0.35 and naive["learner/ratio_mean"] > 1.2
+    # tis: weights exp(lc - lb) capped at behav_weight_cap (1.5 here): the shifted half truncated
+    _, tis = first_step(tiny_model, groups, loss="tis", behav_weight_cap=1.5)
+    assert "learner/time/proximal_s" not in tis and 0.4 < tis["learner/frac_truncated"] < 0.6
+    # decoupled, several updates: the proximal pass, and the later updates move the ratio out of [0.8, 1.2]
     _, several = first_step(tiny_model, groups, ppo_epochs=2, minibatches=2, lr=3e-3)
     assert several["learner/time/proximal_s"] > 0 and several["learner/updates"] == 4
-    assert several["learner/frac_clipped"] > 0.05  # the later updates move the ratio out of [0.8, 1.2]
-    assert several["learner/ratio_mean"] != pytest.approx(1.0)
+    assert several["learner/frac_clipped"] > 0.05 and several["learner/ratio_mean"] != pytest.approx(1.0)
+    # naive and tis never use the proximal log-probs: no pass for them, however many updates
+    _, naive_several = first_step(tiny_model, groups, loss="naive", minibatches=2)
+    assert "learner/time/proximal_s" not in naive_several and naive_several["learner/updates"] == 2
 
 
 def test_more_minibatches_than_samples_step_only_on_samples(tiny_model):
