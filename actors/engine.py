@@ -5,6 +5,7 @@ return what they have, finish reason "abort") and `resume` around an in-flight u
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import itertools
 import logging
@@ -100,6 +101,9 @@ def find_stop(decode: Callable[[list[int]], str], tokens: list[int], stops: list
     return None
 
 
+RESET_ATTEMPTS = 6  # to empty the prefix cache after a load, 3 s in all
+
+
 class VLLMEngine:
     """vLLM's AsyncLLM, one request per turn, log-prob of every sampled token."""
 
@@ -163,14 +167,23 @@ class VLLMEngine:
         return Generation(turn[first:], logprobs, finish or "length")
 
     async def load_weights(self, path: str) -> None:
+        """The weights of `path`, in place, and the prefix cache emptied: its KV was computed by
+        the old weights, and a prompt that hit it would be labelled with the new version. In
+        either update mode: an interrupting update's pause empties it too, a draining one's
+        does not (the gate loads once no call is in flight, so every block is free)."""
         await self.llm.collective_rpc("omrl_reload_weights", args=(path,))
+        for attempt in range(RESET_ATTEMPTS):
+            if await self.llm.reset_prefix_cache():
+                return
+            await asyncio.sleep(0.05 * 2 ** attempt)  # an ended request's blocks not yet freed
+        raise RuntimeError(f"vLLM kept refusing to empty its prefix cache after loading {path} (blocks still in "
+                           f"use): generating now would reuse KV of the old weights")
 
     async def pause(self) -> None:
         """Running requests end now with what they have (finish reason "abort"); new ones wait."""
         await self.llm.pause_generation(mode="abort", clear_cache=True)
 
     async def resume(self) -> None:
-        await self.llm.reset_prefix_cache()  # nothing computed on the old weights is reused
         await self.llm.resume_generation()
 
     def shutdown(self) -> None:

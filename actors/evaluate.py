@@ -15,6 +15,7 @@ from collections.abc import Sequence
 
 from actors.engine import Engine, Generation
 from actors.episode import EpisodeSetup, Policy, Turn, run_episode
+from actors.weights import WeightGate
 from common.messages import Sample
 from envs.base import EpisodeError
 
@@ -30,6 +31,22 @@ class PinnedModelPolicy:
 
     async def act(self, tokens: list[int], budget: int, env_id: int) -> Turn:
         return Turn(await self.engine.generate(tokens, budget, self.temperature), self.version)
+
+
+class GatedModelPolicy:
+    """The engine at a fixed temperature behind an actor's weight gate during training: each
+    turn holds the gate pinned, so it runs whole on one version, and an update waits for the
+    turns in flight, never for a whole evaluation (with every other generate call waiting
+    behind the update). An evaluation may then span versions: `versions` holds those it ran on."""
+
+    def __init__(self, engine: Engine, gate: WeightGate, temperature: float = 0.0):
+        self.engine, self.gate, self.temperature = engine, gate, temperature
+        self.versions: set[int] = set()
+
+    async def act(self, tokens: list[int], budget: int, env_id: int) -> Turn:
+        async with self.gate.generating(pinned=True) as version:
+            self.versions.add(version)
+            return Turn(await self.engine.generate(tokens, budget, self.temperature), version)
 
 
 class ServerPolicy:

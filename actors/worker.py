@@ -39,7 +39,7 @@ import aiohttp
 
 from actors.engine import Engine, VLLMEngine
 from actors.episode import EpisodeSetup, ModelPolicy, run_episode
-from actors.evaluate import PinnedModelPolicy, evaluate
+from actors.evaluate import GatedModelPolicy, evaluate
 from actors.templates import make_template
 from actors.weights import BroadcastLink, WeightGate, apply_newest, receive_weights
 from broker.admission import Admission
@@ -232,26 +232,29 @@ class Actor:
 
     async def _eval_loop(self, client, keys: Keys) -> None:
         """Every learner.eval_every versions: the first learner.eval_tasks held-out tasks, played
-        greedily on one weight version (the gate is held meanwhile), reported through Redis."""
+        greedily, each turn on one weight version (an update may land between turns: the record
+        names the first and last version), reported through Redis."""
         every, tasks = self.cfg.learner.eval_every, list(self.test_tasks)[:self.cfg.learner.eval_tasks]
         last = -1
         while not self.stop.is_set():
             if self.gate.version // every > last and self.env_up.is_set():
-                async with self.gate.generating(pinned=True) as version:
-                    policy = PinnedModelPolicy(self.engine, version, temperature=0.0)
-                    try:
-                        result = await evaluate(self.setup, policy, tasks, "model")
-                    except EpisodeError as exc:
-                        log.warning("evaluation at version %d failed: %s", version, exc)
-                        result = None
+                version = self.gate.version
+                policy = GatedModelPolicy(self.engine, self.gate, temperature=0.0)
+                try:
+                    result = await evaluate(self.setup, policy, tasks, "model")
+                except EpisodeError as exc:
+                    log.warning("evaluation at version %d failed: %s", version, exc)
+                    result = None
                 last = version // every
                 if result is not None:
-                    record = {"version": version, "episodes": result.episodes, "success": result.success,
+                    version = min(policy.versions, default=version)
+                    record = {"version": version, "last_version": max(policy.versions, default=version),
+                              "episodes": result.episodes, "success": result.success,
                               "reward": result.reward, "reward_ci": list(result.reward_ci),
                               "success_ci": list(result.success_ci), "invalid_action_frac": result.invalid_action_frac}
                     await self.retry.run("report the evaluation", lambda: publish_eval(client, keys, record))
-                    log.info("evaluation at version %d on %d held-out tasks: success %.3f, reward %.3f", version,
-                             result.episodes, result.success, result.reward)
+                    log.info("evaluation at versions %d-%d on %d held-out tasks: success %.3f, reward %.3f",
+                             version, record["last_version"], result.episodes, result.success, result.reward)
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), 1.0)
 

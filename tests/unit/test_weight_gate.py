@@ -165,3 +165,35 @@ def test_an_interrupting_update_pauses_only_once_every_running_call_has_sent_its
         return log
 
     assert asyncio.run(scenario()) == ["sent", "pause", "load", "resume"]
+
+
+def test_every_load_empties_the_prefix_cache_even_without_a_pause():
+    """A draining update (no pause) loads between calls: the prefix cache must still be emptied,
+    or a prompt that hits it reuses KV the old weights computed under the new version's label.
+    vLLM refuses while an ended request's blocks are not yet freed: the load retries, then fails
+    (the gate keeps generation out) rather than go on with the old KV."""
+    import pytest
+
+    from actors.engine import RESET_ATTEMPTS, VLLMEngine
+
+    class StubLLM:
+        def __init__(self, refusals: int):
+            self.calls, self.refusals = [], refusals
+
+        async def collective_rpc(self, name, args):
+            self.calls.append(name)
+
+        async def reset_prefix_cache(self):
+            self.calls.append("reset")
+            self.refusals -= 1
+            return self.refusals < 0
+
+    engine = object.__new__(VLLMEngine)  # the engine's own load, on a stub of vLLM
+    gate = WeightGate(0)  # drain mode: no pause, no resume
+    engine.llm = StubLLM(refusals=2)
+    asyncio.run(gate.apply(1, lambda: engine.load_weights("/w")))
+    assert engine.llm.calls == ["omrl_reload_weights", "reset", "reset", "reset"] and gate.version == 1
+    engine.llm = StubLLM(refusals=RESET_ATTEMPTS)
+    with pytest.raises(RuntimeError, match="prefix cache"):
+        asyncio.run(gate.apply(2, lambda: engine.load_weights("/w")))
+    assert gate.broken and gate.version == 1 and engine.llm.calls.count("reset") == RESET_ATTEMPTS
