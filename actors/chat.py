@@ -5,19 +5,29 @@ The episode loop asks for two things, and appends what it gets with mask 0:
 `next_turn(generated_ids, observation)`, the tokens between one generation and the next.
 Generated tokens stay exactly as sampled; neither format ever re-tokenises them.
 
-`ChatFormat` renders with `tokenizer.apply_chat_template`. The pieces it appends between
-turns are differences of renders of a fixed conversation, computed from the template itself:
+`ChatFormat` renders with `tokenizer.apply_chat_template`. What it appends between turns is
+cut from renders of a fixed conversation (u, a: a user and an assistant message of one-token
+contents), each against the fixed prefix before it, as prime-rl's renderers cut messages:
 
-    assistant suffix  render([u, a]) minus (render([u], generation prompt) + a's content)
-                      e.g. ChatML "<|im_end|>\\n"; only the part the model did not generate
-                      itself is appended (all of it after a generation cut by length)
-    user turn         render([u, a, user(obs)], generation prompt) minus render([u, a])
-                      e.g. ChatML "<|im_start|>user\\nobs<|im_end|>\\n<|im_start|>assistant\\n"
+    between turns     render([u, a, user(obs)], generation prompt)
+                      minus render([u], generation prompt) and a's content: a's end as history
+                      and the new user turn, e.g. ChatML "<|im_end|>\n<|im_start|>user\nobs
+                      <|im_end|>\n<|im_start|>assistant\n"; only what the model did not
+                      generate itself is appended (its end-of-turn token is sampled)
+    assistant suffix  the head of that which closes a's content: what render([u, a]) ends with
+                      after a's content (ChatML "<|im_end|>\n"); its first token is the one the
+                      model stops on
 
-so the episode's tokens equal the template's render of the whole conversation whenever the
-model's turns are the canonical tokens of their text plus the end-of-turn token(s). A template
-whose renders are not prefixes of each other (one that rewrites earlier turns) is refused at
-construction, naming the tokenizer.
+An assistant message is only ever cut as history (followed by a user turn), so a template
+that renders the newest assistant message differently, as Qwen3's does (an empty <think>
+block before the last turn's content, none for earlier turns), works: the episode's tokens
+equal the template's render of the whole conversation up to each generation prompt whenever
+the model's turns are the canonical tokens of their text plus the end-of-turn token. Tokens
+a model generates (a <think> block included) stay in the buffer as sampled and are what it
+sees on later turns: Qwen3's template would drop earlier turns' reasoning from a re-render,
+but an append-only buffer keeps it, so the learner scores exactly the context each turn was
+sampled in. A template whose renders are not prefixes of each other (one that rewrites
+earlier turns) is refused at construction, naming the tokenizer.
 """
 
 from __future__ import annotations
@@ -68,9 +78,10 @@ class ChatFormat:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.name = tokenizer.name_or_path or type(tokenizer).__name__
-        self._base = self._render([_USER, _ASSISTANT])
-        self.assistant_suffix = self._assistant_suffix()
-        self._user_turn("x")  # a template that breaks the prefix assumptions fails here, at start
+        self._prompt = self._render([_USER], generation_prompt=True)
+        self._content = tokenizer.encode(_ASSISTANT["content"], add_special_tokens=False)
+        # A template that breaks the prefix assumptions fails here, at start.
+        self.assistant_suffix = self._assistant_suffix(self._after_content("z"))
 
     def first_prompt(self, system: str, observation: str) -> list[int]:
         # The plain prompt's line break before the observation is the template's job here.
@@ -79,7 +90,7 @@ class ChatFormat:
         return self._render([*messages, {"role": "user", "content": observation}], generation_prompt=True)
 
     def next_turn(self, generated_ids: list[int], observation: str) -> list[int]:
-        return self._missing_suffix(generated_ids) + self._user_turn(observation)
+        return self._missing_suffix(generated_ids) + self._after_content(observation)[len(self.assistant_suffix):]
 
     def agent_turn(self, text: str) -> list[int]:
         """The text's tokens and the first token of the assistant suffix (ChatML: <|im_end|>, the
@@ -97,11 +108,21 @@ class ChatFormat:
                              f"set actor.chat_template=\"none\" or give the model a template that only appends")
         return whole[len(prefix):]
 
-    def _assistant_suffix(self) -> list[int]:
-        """The template's tokens after an assistant message's content (ChatML: <|im_end|> and "\\n")."""
-        prompt = self._render([_USER], generation_prompt=True)
-        content = self.tokenizer.encode(_ASSISTANT["content"], add_special_tokens=False)
-        return self._rest(self._rest(self._base, prompt, "an assistant message"), content, "an assistant message")
+    def _after_content(self, observation: str) -> list[int]:
+        """What follows an assistant message's content, as history, up to the next generation: its
+        end and a user turn carrying `observation`, with the generation prompt."""
+        turn = self._render([_USER, _ASSISTANT, {"role": "user", "content": observation}], generation_prompt=True)
+        return self._rest(self._rest(turn, self._prompt, "an assistant message"), self._content,
+                          "an assistant message's content")
+
+    def _assistant_suffix(self, after: list[int]) -> list[int]:
+        """The head of `after` that closes an assistant message's content: the longest one that
+        render([u, a]) ends with, right after a's content (ChatML: <|im_end|> and "\\n")."""
+        last = self._render([_USER, _ASSISTANT])
+        for k in range(len(after), 0, -1):
+            if last[-k - len(self._content):] == self._content + after[:k]:
+                return after[:k]
+        return []
 
     def _missing_suffix(self, generated_ids: list[int]) -> list[int]:
         """What of the assistant suffix the generation did not end with: the longest head of the
@@ -111,11 +132,6 @@ class ChatFormat:
             if generated_ids[-k:] == suffix[:k]:
                 return suffix[k:]
         return list(suffix)
-
-    def _user_turn(self, observation: str) -> list[int]:
-        """A user turn carrying `observation`, and the generation prompt after it."""
-        turn = self._render([_USER, _ASSISTANT, {"role": "user", "content": observation}], generation_prompt=True)
-        return self._rest(turn, self._base, "a new user turn")
 
 
 def make_format(tokenizer, chat_template: Literal["auto", "none"], stop: list[str] | tuple[str, ...] = ()

@@ -58,7 +58,7 @@ def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
     reward = fifths(rows, "reward/mean")
     print(f"reward {reward}")
     assert reward.gain >= 0.3, rewards
-    assert reward.gain > 5 * reward.stderr, rewards  # far beyond what step-to-step noise explains
+    assert reward.p < 0.001, rewards  # no order of the same steps' rewards but a learning one does as well
 
     # Tokens the actors generated carry the weight version they ran on: actors applied new versions.
     versions_used = {v for r in rows for v in (r["batch/version_min"], r["batch/version_max"])}

@@ -9,7 +9,9 @@ deterministic it can fall back (a state it fails in gives every sample of the gr
 same reward, so GRPO has no signal to correct it): three runs' last fifths had success
 0.33, 0.50 and 0.65, the two whose curves were kept best fifths of 0.69 and 0.81. Over
 32 steps x 64 episodes a blind policy's mean has a standard error of about 0.011, so its
-best window stays near 0.37 + 3 x 0.011."""
+best window stays near 0.37 + 3 x 0.011. The reward's gain is judged by a permutation test
+that picks the best window in every random order as well (tests/e2e/learning.py), not by one
+window's standard error, which the choice of the best of ~130 windows makes meaningless."""
 
 import subprocess
 import sys
@@ -44,5 +46,6 @@ def test_grid_nav_is_learned_from_its_observations(tmp_path, algorithm):
     print(f"reward {reward}\nsuccess {success}")
     if algorithm == "ppo":  # the critic trained: its loss is reported every step
         assert all(r["learner/loss/value"] >= 0 for r in rows) and any(r["learner/loss/value"] > 0 for r in rows)
-    assert reward.gain > 5 * reward.stderr and reward.gain >= 0.3, [r["reward/mean"] for r in rows]
+    # p: the best window chosen in random orders of the same steps too (the choice is after the fact)
+    assert reward.p < 0.001 and reward.gain >= 0.3, [r["reward/mean"] for r in rows]
     assert success.last > BLIND_SUCCESS + 0.1, [r["reward/success"] for r in rows]

@@ -92,9 +92,12 @@ def check_pipeline_runs(runs):
 
 def check_staleness(result):
     """The synchronous run trains at staleness 0; the asynchronous one ran with the naive loss,
-    whose ratio is against the behaviour log-probs (so no behaviour weight: ESS 1)."""
-    runs = {r["config"]: r for r in result["runs"]}
-    assert set(runs) == {"sync", "eta=2 naive"}, runs
-    assert runs["sync"]["staleness_max"] == 0 and runs["sync"]["loss"] == "decoupled"
-    assert runs["eta=2 naive"]["ess"] == 1.0 and len(runs["eta=2 naive"]["rewards"]) == result["steps"]
-    assert result["table"].count("\n") == 2 + len(runs)
+    whose ratio is against the behaviour log-probs (so no behaviour weight: ESS 1), four
+    minibatches a step (the study's trust region: the clip acts)."""
+    runs = {r["arm"]: r for r in result["runs"]}
+    assert set(runs) == {"sync", "naive eta=4"}, runs
+    assert runs["sync"]["staleness_max"] == 0 and runs["sync"]["staleness_hist"] == {"0": 8 * result["steps"]}
+    naive = runs["naive eta=4"]
+    assert naive["ess"] == 1.0 and len(naive["success"]) == len(naive["times"]) == result["steps"]
+    assert set(result["summary"]) == set(runs) and result["table"].count("\n") == 2 + len(runs)
+    assert result["rows"][0]["measure"] == "naive eta=4 vs sync: optimizer steps per second"

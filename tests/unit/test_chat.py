@@ -6,6 +6,7 @@ in-memory client; tokenizers are the tiny model's (saved and loaded back) and a 
 here. Nothing is downloaded."""
 
 import asyncio
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -339,3 +340,51 @@ def test_an_update_lands_between_an_evaluations_turns_not_after_it(tiny_tokenize
     result, versions, updated, calls = asyncio.run(scenario())
     # the update landed while the evaluation ran, and its later turns ran on version 1
     assert result.episodes == 1 and calls >= 3 and not updated and versions == {0, 1}
+
+
+def qwen3_tokenizer():
+    """The char tokenizer with Qwen3's special and added tokens and its published chat template
+    (tests/data/qwen3_chat_template.jinja), which renders the newest assistant turn with a
+    <think> block and earlier ones without."""
+    tokenizer = build_char_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = (Path(__file__).parents[1] / "data" / "qwen3_chat_template.jinja").read_text()
+    return tokenizer
+
+
+def test_qwen3s_template_appends_token_exactly_and_keeps_the_models_reasoning():
+    tokenizer = qwen3_tokenizer()
+    render = lambda messages, **kw: tokenizer.apply_chat_template(messages, tokenize=True,  # noqa: E731
+                                                                  return_dict=False, **kw)
+    # Its renders are not prefixes of each other at the newest assistant turn (refused before issue 26).
+    u, a = {"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}
+    assert render([u, a])[:len(render([u, a, u]))] != render([u, a, u])[:len(render([u, a]))]
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    turns, max_turns = 3, 2
+    texts = [f"<action>{x}</action>" for x in letters_of(0, turns)]
+    plain = [tokenizer.encode(t, add_special_tokens=False) + [im_end] for t in texts]
+    sample, _, setup = episode(tokenizer, [(ids, "stop") for ids in plain], turns, max_turns)
+    assert isinstance(setup.format, ChatFormat) and setup.format.assistant_suffix == tokenizer.encode(
+        "<|im_end|>\n", add_special_tokens=False)
+    # Turns as the template writes them: the episode is the render of its conversation.
+    env = make_env("letters", turns=turns)
+    observations = [env.reset(0)] + [env.step(x).observation for x in letters_of(0, turns)]
+    messages = [{"role": "system", "content": SYSTEM}]
+    for obs, text in zip(observations, texts[:max_turns]):
+        messages += [{"role": "user", "content": obs}, {"role": "assistant", "content": text}]
+    messages.append({"role": "user", "content": observations[max_turns]})
+    assert sample.tokens.tolist() == render(messages, add_generation_prompt=True)
+
+    # Turns as Qwen3 samples them in thinking mode: each generation, its <think> block included,
+    # stays in the buffer as sampled (a re-render would drop earlier turns' reasoning); the
+    # context between turns is the same as above.
+    thought = [tokenizer.encode(f"<think>\nI go {x}.\n</think>\n\n", add_special_tokens=False) + ids
+               for x, ids in zip("ab", plain)]
+    thinking, _, _ = episode(tokenizer, [(ids, "stop") for ids in thought], turns, max_turns)
+    assert [ids for is_gen, ids in runs(thinking) if is_gen] == thought[:max_turns]
+    assert [ids for is_gen, ids in runs(thinking) if not is_gen] == [ids for is_gen, ids in runs(sample) if not is_gen]
+    # The newest turn is exactly the template's own render of an assistant message with that reasoning.
+    last = render(messages[:-1][:-1] + [{"role": "assistant", "content": texts[1], "reasoning_content": "I go b."}])
+    first = render(messages[:-1][:-1], add_generation_prompt=True)
+    assert last[len(first):] == thought[1] + tokenizer.encode("\n", add_special_tokens=False)
