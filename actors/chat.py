@@ -90,7 +90,8 @@ class ChatFormat:
         return self._render([*messages, {"role": "user", "content": observation}], generation_prompt=True)
 
     def next_turn(self, generated_ids: list[int], observation: str) -> list[int]:
-        return self._missing_suffix(generated_ids) + self._after_content(observation)[len(self.assistant_suffix):]
+        after = self._after_content(observation)
+        return self._missing_suffix(generated_ids) + self._rest(after, self.assistant_suffix, "a new user turn")
 
     def agent_turn(self, text: str) -> list[int]:
         """The text's tokens and the first token of the assistant suffix (ChatML: <|im_end|>, the
@@ -122,7 +123,8 @@ class ChatFormat:
         for k in range(len(after), 0, -1):
             if last[-k - len(self._content):] == self._content + after[:k]:
                 return after[:k]
-        return []
+        # No end-of-turn marker at all, or the newest message's end differs from its end as history.
+        return self._rest(last[-len(self._content):], self._content, "an assistant message's end")
 
     def _missing_suffix(self, generated_ids: list[int]) -> list[int]:
         """What of the assistant suffix the generation did not end with: the longest head of the

@@ -199,9 +199,10 @@ class ActorConfig(Section):
 
 class LearnerConfig(Section):
     mode: Literal["async", "sync"] = "async"
-    """async: actors generate while the learner trains, up to learner.eta versions ahead; sync: the
-    synchronous baseline: generate a batch with the current weights, train, publish, and only then
-    generate again (eta is not used; staleness is 0)."""
+    """async: actors generate while the learner trains, up to learner.eta optimizer steps ahead; sync:
+    the synchronous baseline: generate a batch with the current weights, train, publish, and only
+    then generate again (eta is not used; staleness is 0 with publish_every 1, at most
+    publish_every - 1 steps otherwise)."""
     steps: int = Field(160, ge=1)
     """Optimizer steps to run, then exit."""
     groups_per_step: int = Field(8, ge=1)
@@ -235,7 +236,7 @@ class LearnerConfig(Section):
     critic_targets: Literal["auto", "gae", "vtrace"] = "auto"
     """ppo: the critic's targets and the advantages: GAE, V-trace (truncated importance weights of
     the learner's policy over the behaviour one), or auto: GAE for samples all of whose tokens come
-    from the learner's current version, V-trace for stale ones."""
+    from the learner's current weights (0 optimizer steps behind), V-trace for stale ones."""
     vtrace_rho_bar: float = Field(1.0, gt=0)
     """ppo, V-trace: the cap on the importance weight of each step's TD error."""
     vtrace_c_bar: float = Field(1.0, gt=0)
@@ -454,6 +455,11 @@ class Config(Section):
                              f"({lcfg.publish_every - 1}): eta counts optimizer steps, and weights published every "
                              f"{lcfg.publish_every} steps are already up to {lcfg.publish_every - 1} steps old; raise "
                              f"learner.eta or lower learner.publish_every")
+        if lcfg.max_staleness < lcfg.publish_every - 1:
+            raise ValueError(f"learner.max_staleness ({lcfg.max_staleness}) must be at least learner.publish_every - 1 "
+                             f"({lcfg.publish_every - 1}): between publications even the newest weights' groups are "
+                             f"that many optimizer steps stale, and dead-lettering them would stall the run; raise "
+                             f"learner.max_staleness or lower learner.publish_every")
         if self.redis.ticket_ttl_s < 3 * self.actor.heartbeat_s:
             raise ValueError(f"redis.ticket_ttl_s must be at least 3 x actor.heartbeat_s ({3 * self.actor.heartbeat_s}s): "
                              f"heartbeats renew tickets, and one missed heartbeat must not return them")

@@ -58,6 +58,12 @@ class LearnerState:
             return self.step - self.published[0][1]
         return 0
 
+    def fresh(self, version: int) -> bool:
+        """Whether tokens of `version` come from the learner's weights now (-1: no generated token).
+        A version this learner never published (one published after its last checkpoint, before a
+        crash) is not: its weights are gone."""
+        return version < 0 or dict(map(tuple, self.published)).get(version) == self.step
+
 
 class RecentIds:
     """The newest `maxlen` ids, with O(1) membership."""

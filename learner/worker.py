@@ -253,6 +253,9 @@ class Learner:
         if restored is not None:
             self.state = restored
             self.seen.add(restored.trained_ids)
+            if not restored.published and latest is not None and latest["version"] == restored.version:
+                # A checkpoint from before versions' steps were kept: the newest one's is in Redis.
+                self.state.published = [[latest["version"], int(latest["step"])]]
         if latest is None or restored is None or latest["version"] != self.state.version:
             # First start, or weights newer than the checkpoint were published before a crash:
             # publish what this learner holds under a fresh version number.
@@ -334,7 +337,7 @@ class Learner:
         groups = [d.group for d in deliveries]
         # In optimizer steps: how many updates the weights that generated a group's oldest token lag behind.
         staleness = np.array([self.state.steps_behind(g.oldest_version()) for g in groups])
-        stale = [self.state.steps_behind(s.oldest_version()) > 0 for g in groups for s in g.samples]
+        stale = [not self.state.fresh(s.oldest_version()) for g in groups for s in g.samples]
         metrics, batch = self._all("train", {"groups": [d.data for d in deliveries], "stale": stale})
         self.state.step += 1
         if self.state.step % lcfg.publish_every == 0:

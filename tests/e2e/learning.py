@@ -6,7 +6,10 @@ The best window is chosen after the fact, so one window's standard error says no
 it: the best of some 130 windows of a flat, noisy curve beats its first fifth by several of
 them. `p` is a permutation test that makes the same choice: under no learning the steps'
 values are exchangeable, so the gain is compared with the gains of the same values in
-random orders, each judged the same way (best window, or last fifth, against the first)."""
+random orders, each judged the same way (best window, or last fifth, against the first).
+Exchangeability is the null's assumption: a curve that drifts without learning (steps
+correlated with their neighbours) would look less likely than it is, so the tests keep an
+absolute bar on the gain besides p."""
 
 from __future__ import annotations
 

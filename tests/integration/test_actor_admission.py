@@ -16,7 +16,7 @@ from broker.weights import WeightStore
 
 pytestmark = [pytest.mark.redis, pytest.mark.vllm]
 
-B, ETA = 2, 1  # the bound: started < (V + eta + 1) * B
+B, ETA = 2, 1  # the bound: started < (S + eta + 1) * B, S the newest weights' step
 
 
 def test_actor_waits_at_the_staleness_bound_and_resumes_on_publish(tmp_path, tiny_model):

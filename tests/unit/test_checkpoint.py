@@ -41,8 +41,11 @@ def test_staleness_is_counted_in_optimizer_steps_across_a_restart(tmp_path):
     state.step = 7
     assert state.published == [[1, 2], [2, 4], [3, 6], [5, 6]]  # the oldest beyond `keep` forgotten
     assert [state.steps_behind(v) for v in (5, 3, 1)] == [1, 1, 5]
-    assert state.steps_behind(4) == 0  # the lost version: newer than the checkpoint's weights
+    assert state.steps_behind(4) == 0  # the lost version: newer than the checkpoint's weights...
+    assert not state.fresh(4) and not state.fresh(5) and state.fresh(-1)  # ...but not the weights now
     assert state.steps_behind(0) == 5  # older than every version kept: at least the oldest's
+    state.step = 6
+    assert state.fresh(5) and state.fresh(3) and not state.fresh(2)  # 5 and 3 hold step 6's weights
 
 
 def save(directory, state: LearnerState, module: torch.nn.Module, keep: int):

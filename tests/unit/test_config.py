@@ -93,6 +93,8 @@ def test_sync_mode_runs_no_version_ahead_and_bad_modes_are_refused():
     assert load_config(None, ["learner.mode=sync", "learner.publish_every=3"], environ={}).learner.steps_ahead == 2
     with pytest.raises(ConfigError, match=r"learner.eta \(1\) must be at least learner.publish_every - 1 \(2\)"):
         load_config(None, ["learner.eta=1", "learner.publish_every=3"], environ={})
+    with pytest.raises(ConfigError, match=r"learner.max_staleness \(1\) must be at least learner.publish_every - 1"):
+        load_config(None, ["learner.mode=sync", "learner.max_staleness=1", "learner.publish_every=4"], environ={})
     with pytest.raises(ConfigError, match="learner.mode"):
         load_config(None, ["learner.mode=lockstep"], environ={})
 
