@@ -153,12 +153,18 @@ def run(quick: bool, device: str = "cpu") -> dict:
                 print(f"staleness {name:<22} success (last fifth) {result['final_success']:.3f}  target {target}  "
                       f"staleness {result['staleness_mean']:.2f} (max {result['staleness_max']})  clipped "
                       f"{result['frac_clipped']:.3f}  ess {result['ess']:.2f}  ({result['wall_s']:.0f} s)", flush=True)
+    result = report(runs, steps, list(arms))
+    print(result["table"], flush=True)
+    return result
+
+
+def report(runs: list[dict], steps: int, arms: list[str]) -> dict:
+    """The study's result from its runs (every arm's, for the seeds there are)."""
     result = {"runs": runs, "steps": steps, "settings": SETTINGS, "trust_region": TRUST_REGION, "target": TARGET,
-              "seeds": sorted({r["seed"] for r in runs}), "arms": list(arms)}
+              "seeds": sorted({r["seed"] for r in runs}), "arms": arms}
     result["rows"] = rows(result)
     result["summary"] = summary(result)
     result["table"] = table(result)
-    print(result["table"], flush=True)
     return result
 
 
@@ -301,3 +307,26 @@ def plot(result: dict, path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def main() -> int:
+    """`python -m benchmarks.staleness DIR OUT`: the report of the runs a study kept in DIR
+    (OMRL_BENCH_RUNS) so far, seeds every arm has run, as OUT/staleness.json and .png."""
+    import sys
+
+    kept, out = Path(sys.argv[1]), Path(sys.argv[2])
+    runs = [json.loads(p.read_text()) for p in sorted(kept.glob("*.json"))]
+    complete = [s for s in sorted({r["seed"] for r in runs}) if sum(r["seed"] == s for r in runs) == len(ARMS)]
+    runs = [r for r in runs if r["seed"] in complete]
+    arms = [name for name, _ in ARMS]
+    runs.sort(key=lambda r: (r["seed"], arms.index(r["arm"])))
+    result = report(runs, STEPS, arms)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "staleness.json").write_text(json.dumps(result, indent=2) + "\n")
+    plot(result, out / "staleness.png")
+    print(f"{len(complete)} seed(s) of every arm: {complete}\n{result['table']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
