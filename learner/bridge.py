@@ -166,12 +166,15 @@ class BrokerBridge:
             await self._handle(consumer, entries)
 
     async def _handle(self, consumer: RolloutConsumer, entries: list[Entry]) -> None:
+        # Every entry of the read is held before the first await, not one by one as the queue
+        # takes them: one waiting for room in a full queue longer than claim_idle_s would look
+        # idle to the janitor, which claimed it (a delivery more; after two restarts a good
+        # group went to the dead letters as max_deliveries). Already held: being handled,
+        # queued or in a step (the janitor and a reader may hold the same entry).
+        entries = [e for e in entries if (consumer.shard, e.id) not in self.in_flight]
+        self.in_flight.update((consumer.shard, e.id) for e in entries)
         for entry in entries:
             key = (consumer.shard, entry.id)
-            if key in self.in_flight:  # already being handled, queued or in a step
-                continue
-            # Claim it before the first await: the janitor and a reader may hold the same entry.
-            self.in_flight.add(key)
             if entry.data is None:  # payload deleted after an earlier delivery
                 await self.retry.run("XACK", lambda: consumer.ack([entry.id]))
                 self.in_flight.discard(key)

@@ -106,6 +106,41 @@ def test_entry_delivered_too_often_goes_to_the_dead_letters(redis_server_url, ru
     assert fields[b"reason"] == b"max_deliveries" and b"delivered 5 times" == fields[b"detail"]
 
 
+def test_entries_waiting_for_room_in_the_queue_are_never_claimed(redis_server_url, run_name):
+    """One read brings more entries than the bridge's queue holds; the learner takes none for
+    many claim_idle_s (a slow step, a checkpoint). The entries still waiting for room are this
+    learner's: the janitor must not claim them (each claim is a delivery, and max_deliveries
+    then dead-letters good groups after restarts)."""
+    cfg = RedisConfig(url=redis_server_url, run=run_name, max_deliveries=2, claim_idle_s=0.1, janitor_every_s=0.05)
+    keys = Keys(run_name)
+    groups = [synthetic_group(np.random.default_rng(i)) for i in range(6)]
+
+    async def push():
+        client = connect(redis_server_url)
+        await RolloutConsumer(client, keys, "learner-0").ensure_group()
+        for g in groups:
+            await client.xadd(keys.rollouts(), {b"g": encode_group(g)})
+        await client.aclose()
+
+    async def deliveries():
+        client = connect(redis_server_url)
+        rows = await client.xpending_range(keys.rollouts(), keys.consumer_group, min="-", max="+", count=100)
+        await client.aclose()
+        return sorted(int(r["times_delivered"]) for r in rows)
+
+    asyncio.run(push())
+    bridge = BrokerBridge(cfg, consumer="learner-0", keep_versions=2, queue_size=2, read_count=6).start()
+    try:
+        time.sleep(1.5)  # 15 claim_idle_s with a full queue and four entries waiting for room
+        assert asyncio.run(deliveries()) == [1] * 6  # nothing claimed: each delivered once
+        taken = [bridge.get(timeout=5) for _ in groups]
+        assert [d.group.group_id for d in taken] == [g.group_id for g in groups]
+        bridge.ack(taken)
+        assert bridge.dead_letters == {}
+    finally:
+        bridge.stop()
+
+
 def test_omrl_status_reports_streams_dead_letters_actors_and_learner(redis_server_url, run_name):
     keys = Keys(run_name)
 
