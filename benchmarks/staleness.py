@@ -164,8 +164,22 @@ def report(runs: list[dict], steps: int, arms: list[str]) -> dict:
               "seeds": sorted({r["seed"] for r in runs}), "arms": arms}
     result["rows"] = rows(result)
     result["summary"] = summary(result)
+    result["trust_region"] = trust_region(result)
     result["table"] = table(result)
     return result
+
+
+def trust_region(result: dict) -> dict | None:
+    """The rule for the default: 4 minibatches against one update at eta 4, seed by seed (final
+    success, 4 minibatches less one update, with its 95% interval)."""
+    by = _by(result)
+    mine, one = by.get("decoupled eta=4", {}), by.get("decoupled eta=4, 1 update", {})
+    seeds = sorted(set(mine) & set(one))
+    if not seeds:
+        return None
+    diff = interval([mine[s]["final_success"] - one[s]["final_success"] for s in seeds])
+    return {"seeds": len(seeds), "minibatches_less_one_update": diff,
+            "keep_minibatches": bool(np.isnan(diff[2]) or diff[2] >= 0)}
 
 
 def _by(result: dict) -> dict[str, dict[int, dict]]:
@@ -245,7 +259,7 @@ def table(result: dict) -> str:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, s in result["summary"].items():
         secs = "-" if s["time_to_target_median"] is None else f"{s['time_to_target_median']:.0f}"
-        ratio = "-" if s["time_ratio_median"] is None else f"x{s['time_ratio_median']:.2f}"
+        ratio = "-" if s["time_ratio_median"] is None or arm == "sync" else f"x{s['time_ratio_median']:.2f}"
         vs = "-" if arm == "sync" or s["vs_sync"] is None else _ci(s["vs_sync"])
         lines.append(f"| {arm} | {s['seeds']} | {_ci(s['final_success'])} | {vs} | {s['reached']}/{s['seeds']} | "
                      f"{secs} | {ratio} | {s['staleness_mean']:.2f} | {s['frac_clipped']:.3f} | {s['ess']:.2f} |")
