@@ -51,7 +51,7 @@ class LearnerState:
         this learner never published (-1, no generated token; or one published after its last
         checkpoint, before a crash), and for one older than every version kept, at least the steps
         behind the oldest kept."""
-        steps = dict(map(tuple, self.published))
+        steps = self._steps()
         if version in steps:
             return self.step - steps[version]
         if version >= 0 and self.published and version < self.published[0][0]:  # versions only grow
@@ -62,7 +62,11 @@ class LearnerState:
         """Whether tokens of `version` come from the learner's weights now (-1: no generated token).
         A version this learner never published (one published after its last checkpoint, before a
         crash) is not: its weights are gone."""
-        return version < 0 or dict(map(tuple, self.published)).get(version) == self.step
+        return version < 0 or self._steps().get(version) == self.step
+
+    def _steps(self) -> dict[int, int]:
+        """version -> the step whose weights it holds, for the versions kept."""
+        return dict(map(tuple, self.published))
 
 
 class RecentIds:
