@@ -145,7 +145,7 @@ def run(quick: bool, device: str = "cpu") -> dict:
     with tempfile.TemporaryDirectory(prefix="omrl-bench-staleness-") as tmp:
         for seed in seeds:  # every arm once per seed, in turn
             for arm in arms:
-                name = f"{arm.replace(' ', '').replace(',', '-').replace('=', '')}-s{seed}"
+                name = f"{arm.replace(' ', '').replace(',', '-').replace('=', '').replace('/', 'over')}-s{seed}"
                 kept = keep / f"{name}.json" if keep else None
                 if kept is not None and kept.exists():
                     runs.append(json.loads(kept.read_text()))
