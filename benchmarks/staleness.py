@@ -16,7 +16,8 @@ their own would have them (the split layout of `omrl bench pipeline`):
   rollout correction);
 - `decoupled eta=4, 1 update`: the old default (one update per batch: the decoupled loss's
   clip never acts), to choose the trust region by measurement;
-- `decoupled eta=4, lr/4`: four minibatch updates at a quarter of the learning rate (below).
+- `decoupled eta=4, lr/4`: four minibatch updates at a quarter of the learning rate (below),
+  paired with `sync, lr/4`, the synchronous baseline at that learning rate (added with it).
 
 Every arm but the one-update one runs `learner.minibatches = 4` (four optimizer steps per batch, the
 proximal pass before the first: AReaL's setting, where the clip acts). Seeds run in turn
@@ -74,7 +75,14 @@ ARMS = [
     ("tis eta=4", {"learner.eta": 4, "learner.loss": "tis"}),
     ("decoupled eta=4, 1 update", {"learner.eta": 4, "learner.loss": "decoupled", "learner.minibatches": 1}),
     ("decoupled eta=4, lr/4", {"learner.eta": 4, "learner.loss": "decoupled", "learner.lr": 2.5e-4}),
+    ("sync, lr/4", {"learner.mode": "sync", "learner.loss": "decoupled", "learner.lr": 2.5e-4}),
 ]
+
+
+def baseline(arm: str) -> str:
+    """The sync arm an arm is paired with: the one at its learning rate."""
+    return "sync, lr/4" if arm.endswith("lr/4") and arm != "sync, lr/4" else "sync"
+
 SEEDS = (0, 1, 2, 3, 4)
 STEPS = 80
 TARGET = 0.6  # trailing mean of reward/success to reach (fixed before the runs)
@@ -188,8 +196,14 @@ def trust_region(result: dict) -> dict | None:
     if not seeds:
         return None
     diff = interval([mine[s]["final_success"] - one[s]["final_success"] for s in seeds])
-    return {"seeds": len(seeds), "minibatches_less_one_update": diff,
-            "keep_minibatches": bool(np.isnan(diff[2]) or diff[2] >= 0)}
+    out = {"seeds": len(seeds), "minibatches_less_one_update": diff,
+           "keep_minibatches": bool(np.isnan(diff[2]) or diff[2] >= 0)}
+    quarter = by.get("decoupled eta=4, lr/4", {})
+    both = sorted(set(quarter) & set(one))
+    if both:  # the follow-up's rule: its mean paired difference at least -0.05
+        diff = interval([quarter[s]["final_success"] - one[s]["final_success"] for s in both])
+        out.update(quarter_lr_less_one_update=diff, quarter_lr_default=bool(diff[0] >= -0.05))
+    return out
 
 
 def _by(result: dict) -> dict[str, dict[int, dict]]:
@@ -205,20 +219,20 @@ def rows(result: dict) -> list[dict]:
     time to the target (sync's time over the arm's, above 1 when the arm is faster; seeds where
     either never reached it left out)."""
     by = _by(result)
-    sync = by["sync"]
     out = []
     for arm in result["arms"][1:]:
+        sync = by[baseline(arm)]
         seeds = sorted(set(by[arm]) & set(sync))
         if seeds:
-            out.append(row(f"{arm} vs sync: optimizer steps per second", [1 / by[arm][s]["step_s"] for s in seeds],
+            out.append(row(f"{arm} vs {baseline(arm)}: optimizer steps per second", [1 / by[arm][s]["step_s"] for s in seeds],
                            [1 / sync[s]["step_s"] for s in seeds]))
         mine = [by[arm][s]["final_success"] for s in seeds]
         base = [sync[s]["final_success"] for s in seeds]
         if seeds and min(mine) > 0 and min(base) > 0:
-            out.append(row(f"{arm} vs sync: success, last fifth of {result['steps']} steps", mine, base))
+            out.append(row(f"{arm} vs {baseline(arm)}: success, last fifth of {result['steps']} steps", mine, base))
         both = [s for s in seeds if by[arm][s]["time_to_target"] and sync[s]["time_to_target"]]
         if both:
-            out.append(row(f"{arm} vs sync: 1 / seconds to success {result['target']}",
+            out.append(row(f"{arm} vs {baseline(arm)}: 1 / seconds to success {result['target']}",
                            [1 / by[arm][s]["time_to_target"] for s in both],
                            [1 / sync[s]["time_to_target"] for s in both]))
     return out
@@ -233,11 +247,12 @@ def summary(result: dict) -> dict[str, dict]:
         runs = [by[arm][s] for s in sorted(by[arm])]
         if not runs:
             continue
-        paired = sorted(set(by[arm]) & set(by["sync"]))
-        diff = [by[arm][s]["final_success"] - by["sync"][s]["final_success"] for s in paired]
+        sync = by[baseline(arm)]
+        paired = sorted(set(by[arm]) & set(sync))
+        diff = [by[arm][s]["final_success"] - sync[s]["final_success"] for s in paired]
         times = [r["time_to_target"] for r in runs if r["time_to_target"] is not None]
-        ratio = [by[arm][s]["time_to_target"] / by["sync"][s]["time_to_target"] for s in paired
-                 if by[arm][s]["time_to_target"] and by["sync"][s]["time_to_target"]]
+        ratio = [by[arm][s]["time_to_target"] / sync[s]["time_to_target"] for s in paired
+                 if by[arm][s]["time_to_target"] and sync[s]["time_to_target"]]
         hist = collections.Counter()
         for r in runs:
             hist.update({int(k): v for k, v in r["staleness_hist"].items()})
@@ -264,7 +279,7 @@ def _ci(t) -> str:
 def table(result: dict) -> str:
     """Markdown: per arm, final success and its difference from sync with 95% intervals, time
     to the target, and what the staleness and the loss did."""
-    lines = [f"| arm | seeds | success, last fifth [95% CI] | minus sync, paired [95% CI] | reached {result['target']} "
+    lines = [f"| arm | seeds | success, last fifth [95% CI] | minus sync at its lr, paired [95% CI] | reached {result['target']} "
              f"| seconds to it (median) | / sync's (median) | staleness mean | clipped | ESS |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for arm, s in result["summary"].items():
