@@ -207,8 +207,9 @@ class LearnerConfig(Section):
     """Optimizer steps to run, then exit."""
     groups_per_step: int = Field(8, ge=1)
     """B: groups in one optimizer step."""
-    lr: float = Field(1e-3, gt=0)
-    """AdamW learning rate."""
+    lr: float = Field(2.5e-4, gt=0)
+    """AdamW learning rate (the tiny model's: a quarter of one update's 1e-3, as each batch gets
+    `minibatches` updates; issue 26's study)."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     grad_clip: float = Field(1.0, gt=0)
@@ -313,9 +314,12 @@ class LearnerConfig(Section):
     """Columns of the output layer computed at once for log-probs and entropy."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each batch."""
-    minibatches: int = Field(1, ge=1)
-    """Optimizer steps per pass, each on a 1/minibatches share of the batch's tokens. With ppo_epochs
-    and minibatches both 1, the PPO ratio is 1 and the proximal forward is skipped."""
+    minibatches: int = Field(4, ge=1)
+    """Optimizer steps per pass, each on a 1/minibatches share of the batch's tokens. Above 1 (the
+    default 4 at a quarter of one update's lr, from issue 26's study: docs/results/staleness.md)
+    the proximal forward runs before the first and the PPO clip acts on the later ones; with
+    ppo_epochs and minibatches both 1 the ratio is 1, the clip never acts and the proximal
+    forward is skipped."""
     ranks: int = Field(1, ge=1)
     """Learner processes (`omrl run` starts them with torchrun); rank 0 reads the broker and publishes."""
     parallel: Literal["ddp", "fsdp2"] = "ddp"
@@ -578,7 +582,7 @@ def import_plugins(modules: list[str]) -> None:
 
 
 # Defaults that follow the model (docs/guides/real-model.md, "Defaults that follow the model"). The field defaults above
-# are the tiny model's (4-token turns that stop at a line break, lr 1e-3, an entropy bonus); a model of
+# are the tiny model's (4-token turns that stop at a line break, lr 2.5e-4, an entropy bonus); a model of
 # real size (at least REAL_SIZE parameters by its config.json) gets these instead, wherever the config
 # does not set the field itself.
 REAL_SIZE = 100_000_000

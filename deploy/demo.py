@@ -56,7 +56,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
 ACTOR = {"max_turns": 10, "max_tokens": 16, "max_seq_len": 2048, "action_template": "raw"}
 # The RL stage (the ablations are in the README): GRPO with the decoupled PPO loss, no KL penalty
 # (a frozen reference's forward cost a third of each step), the learner on both cores' threads.
-LEARNER = {"algorithm": "grpo", "lr": 1e-4, "kl_coef": 0.0, "groups_per_step": 8, "entropy_coef": 0.0,
+# lr: a quarter of the 1e-4 the demo measured with one update a batch, as the default's 4
+# minibatch updates a batch take it (docs/results/staleness.md).
+LEARNER = {"algorithm": "grpo", "lr": 2.5e-5, "kl_coef": 0.0, "groups_per_step": 8, "entropy_coef": 0.0,
            "eval_every": 0, "threads": 2}
 RL_ACTOR = {"group_size": 8, "num_actors": 1, "concurrent_groups": 8, "temperature": 1.0}
 MODEL = ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "384")  # 0.76M parameters
@@ -166,13 +168,15 @@ class Demo:
         results = evaluate_levels(self.out, self.out / model, self.levels)
         (self.out / f"{name}.json").write_text(json.dumps(results, indent=2))
 
-    def rl(self) -> None:
+    def rl(self, name: str = "rl", overrides: list[str] = ()) -> None:
+        """The RL stage from the SFT model: run dir OUT/NAME, its model exported to OUT/NAME-model
+        (`overrides` after the command line's --set: the staleness study's arms)."""
         config = {"env": {"name": "babyai", "tasks": str(self.out / "tasks" / "rl")},
                   "actor": {**ACTOR, **RL_ACTOR}, "learner": {**LEARNER, "steps": self.args.rl_steps}}
         (self.out / "rl.toml").write_text(to_toml(config))
-        self.omrl("rl", "run", "--config", str(self.out / "rl.toml"), "--model", str(self.out / "sft"), "--run-dir",
-                  str(self.out / "rl"), overrides=self.args.overrides)
-        self.omrl("export", "export", str(self.out / "rl"), str(self.out / "rl-model"))
+        self.omrl(name, "run", "--config", str(self.out / "rl.toml"), "--model", str(self.out / "sft"), "--run-dir",
+                  str(self.out / name), overrides=[*self.args.overrides, *overrides])
+        self.omrl(f"{name}-export", "export", str(self.out / name), str(self.out / f"{name}-model"))
 
     # -- the report --------------------------------------------------------------------
     def report(self) -> str:

@@ -79,6 +79,9 @@ def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
     assert all(r["eval/episodes"] == 16 and 0 <= r["eval/success"] <= 1 for r in evals)
     assert evals[-1]["eval/reward"] > evals[0]["eval/reward"]  # greedy on held-out tasks, it learned too
     assert all(r["actor/invalid_action_frac"] == 0 for r in rows)  # the raw template parses everything
+    # The default trust region (4 minibatch updates a batch, issue 26): the clip acts.
+    clipped = [r["learner/frac_clipped"] for r in rows]
+    assert sum(c > 0 for c in clipped) >= len(rows) // 10, clipped  # 70 of 160 steps in a default run
     assert processes_mentioning(str(run_dir)) == []
 
     # The trained model, saved at the end, evaluated greedily on the held-out tasks.

@@ -207,5 +207,5 @@ def test_defaults_follow_the_model(tmp_path, tiny_model):
     for overrides in ([f"model.path={json.dumps(tiny_model)}"], []):
         tiny = load_config(None, overrides, environ={})
         assert (tiny.actor.max_tokens, tiny.actor.stop, tiny.learner.lr, tiny.learner.entropy_coef) == \
-            (4, ["\n"], 1e-3, 0.01)
+            (4, ["\n"], 2.5e-4, 0.01)
         assert (tiny.learner.checkpoint_every, tiny.redis.max_stream_len) == (1, 16)
