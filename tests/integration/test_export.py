@@ -34,7 +34,7 @@ def make_run(run_dir, model_path: str, steps: int = 1, head: bool = False, algor
     """A run dir as `omrl run` leaves it: config.toml and one checkpoint per step, written as the
     learner writes them (`head`: a tied output layer under its own name too, as learners before
     sharded checkpoints wrote it)."""
-    trainer = Trainer(load_causal_lm(model_path, "float32"), LearnerConfig(algorithm=algorithm))
+    trainer = Trainer(load_causal_lm(model_path, "float32"), LearnerConfig(algorithm=algorithm, minibatches=1))
     rng = np.random.default_rng(0)
     for step in range(1, steps + 1):
         metrics = trainer.train_step(collate([synthetic_group(rng) for _ in range(2)], algorithm))

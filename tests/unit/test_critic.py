@@ -77,7 +77,7 @@ def test_turn_states_travel_in_the_message():
 def trainer_for(tiny_model, **learner):
     from learner.trainer import Trainer
     torch.manual_seed(0)
-    return Trainer(load_causal_lm(tiny_model), LearnerConfig(**learner))
+    return Trainer(load_causal_lm(tiny_model), LearnerConfig(**{"minibatches": 1, **learner}))  # one update unless asked
 
 
 @pytest.mark.parametrize("targets", ["gae", "auto"])

@@ -20,7 +20,7 @@ def test_non_finite_loss_skips_the_step(tiny_model, poison):
     from learner.trainer import Trainer
 
     torch.manual_seed(0)
-    trainer = Trainer(load_causal_lm(tiny_model), LearnerConfig())
+    trainer = Trainer(load_causal_lm(tiny_model), LearnerConfig(minibatches=1))
     rng = np.random.default_rng(0)
     batch = collate([synthetic_group(rng) for _ in range(2)])
     before = weights(trainer.model)
@@ -46,7 +46,7 @@ def first_step(model_dir: str, groups, **learner) -> tuple[dict[str, torch.Tenso
     from learner.trainer import Trainer
 
     torch.manual_seed(0)
-    trainer = Trainer(load_causal_lm(model_dir), LearnerConfig(**learner))
+    trainer = Trainer(load_causal_lm(model_dir), LearnerConfig(**{"minibatches": 1, **learner}))  # one update unless asked
     grads: dict[str, torch.Tensor] = {}
     step = trainer.optimizer.step
 
@@ -88,7 +88,7 @@ def stale_groups(tiny_model, shift: float = 0.5):
     from learner.trainer import Trainer
 
     groups = varied_groups()
-    trainer = Trainer(load_causal_lm(tiny_model), LearnerConfig())
+    trainer = Trainer(load_causal_lm(tiny_model), LearnerConfig(minibatches=1))
     batch = collate(groups)
     trainer._before_update(batch, [list(range(len(batch.rewards)))], policy=True)
     samples = [s for g in groups for s in g.samples]
@@ -140,7 +140,7 @@ def test_tied_output_layer_is_published_once_in_a_file_safetensors_reads(tmp_pat
 
     model = Qwen2ForCausalLM(Qwen2Config(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                          num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
-    trainer = Trainer(model, LearnerConfig())
+    trainer = Trainer(model, LearnerConfig(minibatches=1))
     path = tmp_path / "w.safetensors"
     assert trainer.save_weights(path, torch.bfloat16) == path.stat().st_size  # written a tensor at a time
     weights = load_file(path)  # safetensors checks the header's offsets against the file
