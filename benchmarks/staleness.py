@@ -105,6 +105,11 @@ def trailing(values: list[float], k: int = SMOOTH) -> np.ndarray:
     return (c[n] - c[lo]) / (n - lo)
 
 
+def run_name(arm: str, seed: int) -> str:
+    """A run's file name: "decoupled eta=4, lr/4", seed 2 -> decoupledeta4-lrover4-s2."""
+    return f"{arm.replace(' ', '').replace(',', '-').replace('=', '').replace('/', 'over')}-s{seed}"
+
+
 def figures(run_dir: Path, window: int) -> dict:
     """A finished run's figures; its final success is the mean over its last `window` steps."""
     from common.metrics import read_jsonl
@@ -153,7 +158,7 @@ def run(quick: bool, device: str = "cpu") -> dict:
     with tempfile.TemporaryDirectory(prefix="omrl-bench-staleness-") as tmp:
         for seed in seeds:  # every arm once per seed, in turn
             for arm in arms:
-                name = f"{arm.replace(' ', '').replace(',', '-').replace('=', '').replace('/', 'over')}-s{seed}"
+                name = run_name(arm, seed)
                 kept = keep / f"{name}.json" if keep else None
                 if kept is not None and kept.exists():
                     runs.append(json.loads(kept.read_text()))
@@ -221,18 +226,19 @@ def rows(result: dict) -> list[dict]:
     by = _by(result)
     out = []
     for arm in result["arms"][1:]:
-        sync = by[baseline(arm)]
+        base_arm = baseline(arm)
+        sync = by[base_arm]
         seeds = sorted(set(by[arm]) & set(sync))
         if seeds:
-            out.append(row(f"{arm} vs {baseline(arm)}: optimizer steps per second", [1 / by[arm][s]["step_s"] for s in seeds],
+            out.append(row(f"{arm} vs {base_arm}: optimizer steps per second", [1 / by[arm][s]["step_s"] for s in seeds],
                            [1 / sync[s]["step_s"] for s in seeds]))
         mine = [by[arm][s]["final_success"] for s in seeds]
         base = [sync[s]["final_success"] for s in seeds]
         if seeds and min(mine) > 0 and min(base) > 0:
-            out.append(row(f"{arm} vs {baseline(arm)}: success, last fifth of {result['steps']} steps", mine, base))
+            out.append(row(f"{arm} vs {base_arm}: success, last fifth of {result['steps']} steps", mine, base))
         both = [s for s in seeds if by[arm][s]["time_to_target"] and sync[s]["time_to_target"]]
         if both:
-            out.append(row(f"{arm} vs {baseline(arm)}: 1 / seconds to success {result['target']}",
+            out.append(row(f"{arm} vs {base_arm}: 1 / seconds to success {result['target']}",
                            [1 / by[arm][s]["time_to_target"] for s in both],
                            [1 / sync[s]["time_to_target"] for s in both]))
     return out

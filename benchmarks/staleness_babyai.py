@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import pyplot
-from benchmarks.staleness import _band, _ci, commit, figures, interval
+from benchmarks.staleness import _band, _ci, commit, figures, interval, run_name
 from common.cli import override
 
 LEVEL = 5  # GoToLocalS8N7
@@ -54,9 +54,7 @@ def prepared_demo(out: Path):
     levels = demo_mod._levels(args.levels, "--levels")
     (out / "logs").mkdir(parents=True, exist_ok=True)
     demo = demo_mod.Demo(out, args, levels, demo_mod._levels(args.rl_levels, "--rl-levels"))
-    for name, body in (("tasks", demo.tasks), ("model", demo.model), ("collect", demo.collect), ("sft", demo.sft),
-                       ("before", lambda: demo.evaluate("sft", "before"))):
-        demo.stage(name, body)
+    demo.until_rl()
     return demo
 
 
@@ -67,7 +65,7 @@ def run(out: Path) -> dict:
     runs = []
     for seed in SEEDS:
         for arm, fields in ARMS:
-            name = f"{arm.replace(' ', '').replace('=', '')}-s{seed}"
+            name = run_name(arm, seed)
             kept = out / f"{name}.json"
             if kept.exists():
                 runs.append(json.loads(kept.read_text()))

@@ -81,11 +81,7 @@ def main(args: argparse.Namespace) -> int:
         shutil.rmtree(out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     demo = Demo(out, args, levels, rl_levels)
-    demo.stage("tasks", demo.tasks)
-    demo.stage("model", demo.model)
-    demo.stage("collect", demo.collect)
-    demo.stage("sft", demo.sft)
-    demo.stage("before", lambda: demo.evaluate("sft", "before"))
+    demo.until_rl()
     demo.stage("rl", demo.rl)
     demo.stage("after", lambda: demo.evaluate("rl-model", "after"))
     report = demo.report()
@@ -138,6 +134,14 @@ class Demo:
         except CommandFailed as exc:
             raise SystemExit(f"error: stage {name} failed (exit {exc.code}); its log: {exc.log_path}\n"
                              + "\n".join(exc.tail[-5:])) from None
+
+    def until_rl(self) -> None:
+        """The stages before RL: tasks, the model, the oracle's data, SFT, the evaluation before."""
+        self.stage("tasks", self.tasks)
+        self.stage("model", self.model)
+        self.stage("collect", self.collect)
+        self.stage("sft", self.sft)
+        self.stage("before", lambda: self.evaluate("sft", "before"))
 
     # -- stages ----------------------------------------------------------------------
     def tasks(self) -> None:
