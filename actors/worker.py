@@ -292,7 +292,7 @@ class Actor:
             await self._release_quietly(ticket, "cancelled")
         if pending:
             log.info("cancelled %d groups in flight (counted as cancelled)", len(pending))
-        self.producer.ignore_bound = True
+        self.producer.unbounded.set()
         try:
             await asyncio.wait_for(self.producer.flush(), acfg.flush_s)
         except TimeoutError:

@@ -24,6 +24,10 @@ The learner takes a dead-lettered group out of `accepted` (its ticket comes back
 at each publication, floors `accepted` to the groups it has trained on, so a Redis that
 lost its data cannot let actors run ahead.
 
+A group refused a ticket waits on the tickets' doorbell (broker/doorbell.py), not by polling:
+each publication (`published`), released ticket and expired one rings it for as many groups
+as the bound lets in now, and a refusal empties it.
+
 Everything is one Lua script per operation on keys of the run's hash tag (one slot), with
 the server's clock (TIME), so actors on machines whose clocks differ agree on expiry.
 """
@@ -35,6 +39,7 @@ import logging
 import time
 from typing import Any
 
+from broker.doorbell import FALLBACK_S, RING_FN, Doorbell
 from broker.keys import Keys
 
 log = logging.getLogger(__name__)
@@ -46,8 +51,20 @@ local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 """
 
-# KEYS: held, lost, accepted, weights_latest, counts. ARGV: ticket, ttl_s, B, slack = (eta + 1) * B.
-_ACQUIRE_LUA = _NOW + """
+# The groups the bound lets in now: free(held, accepted, weights_latest, B, slack), counting
+# only the tickets not yet expired (the next try returns those).
+_FREE_FN = _NOW + """
+local function free(held, accepted, latest, B, slack)
+  local step = tonumber(redis.call('HGET', latest, 'step') or '0')
+  local used = tonumber(redis.call('GET', accepted) or '0') + redis.call('ZCOUNT', held, '(' .. now, '+inf')
+  return step * tonumber(B) + tonumber(slack) - used, used
+end
+"""
+
+# KEYS: held, lost, accepted, weights_latest, counts, doorbell. ARGV: ticket, ttl_s, B, slack = (eta + 1) * B.
+# Tickets found expired ring the doorbell for the room they made, a grant relays it, a refusal
+# empties it (no room: its tokens were stale).
+_ACQUIRE_LUA = RING_FN + _FREE_FN + """
 if redis.call('ZSCORE', KEYS[1], ARGV[1]) then return {1, -1, -1} end  -- granted before, reply lost
 local expired = redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now)
 if #expired > 0 then
@@ -56,15 +73,15 @@ if #expired > 0 then
   redis.call('HINCRBY', KEYS[5], 'failed:actor_lost', #expired)
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now - %d)
 end
-local step = tonumber(redis.call('HGET', KEYS[4], 'step') or '0')
-local bound = step * tonumber(ARGV[3]) + tonumber(ARGV[4])
-local used = tonumber(redis.call('GET', KEYS[3]) or '0') + redis.call('ZCARD', KEYS[1])
-if used < bound then
+local room, used = free(KEYS[1], KEYS[3], KEYS[4], ARGV[3], ARGV[4])
+if room > 0 then
   redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[1])
   redis.call('HINCRBY', KEYS[5], 'started', 1)
-  return {1, used + 1, bound}
+  if #expired > 0 then ring(KEYS[6], room - 1) else relay(KEYS[6], room - 1) end
+  return {1, used + 1, used + room}
 end
-return {0, used, bound}
+ring(KEYS[6], 0)
+return {0, used, used + room}
 """ % LOST_KEPT_S
 
 # The ticket's group is in a stream: 1 (held), 2 (had come back), 0 (already committed: a
@@ -89,10 +106,11 @@ end
 # KEYS: held, lost, accepted, counts. ARGV: ticket.
 _COMMIT_LUA = COMMIT_FN + "return commit(KEYS[1], KEYS[2], KEYS[3], KEYS[4], ARGV[1])\n"
 
-# KEYS: held, counts. ARGV: ticket, reason.
-_RELEASE_LUA = """
+# KEYS: held, counts, accepted, weights_latest, doorbell. ARGV: ticket, reason, B, slack.
+_RELEASE_LUA = RING_FN + _FREE_FN + """
 if redis.call('ZREM', KEYS[1], ARGV[1]) == 1 then
   redis.call('HINCRBY', KEYS[2], 'failed:' .. ARGV[2], 1)
+  ring(KEYS[5], free(KEYS[1], KEYS[3], KEYS[4], ARGV[3], ARGV[4]))
   return 1
 end
 return 0
@@ -104,8 +122,9 @@ for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[1]), A
 return #ARGV - 1
 """
 
-# KEYS: held, lost, counts. ARGV: name prefix, own prefix. Tickets of earlier incarnations come back.
-_RELEASE_PREDECESSORS_LUA = _NOW + """
+# KEYS: held, lost, counts, accepted, weights_latest, doorbell. ARGV: name prefix, own prefix,
+# B, slack. Tickets of earlier incarnations come back.
+_RELEASE_PREDECESSORS_LUA = RING_FN + _FREE_FN + """
 local n = 0
 for _, t in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   if string.sub(t, 1, #ARGV[1]) == ARGV[1] and string.sub(t, 1, #ARGV[2]) ~= ARGV[2] then
@@ -114,25 +133,33 @@ for _, t in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
     n = n + 1
   end
 end
-if n > 0 then redis.call('HINCRBY', KEYS[3], 'failed:actor_lost', n) end
+if n > 0 then
+  redis.call('HINCRBY', KEYS[3], 'failed:actor_lost', n)
+  ring(KEYS[6], free(KEYS[1], KEYS[4], KEYS[5], ARGV[3], ARGV[4]))
+end
 return n
 """
 
-# KEYS: accepted. ARGV: floor. Raises the counter to the floor, never lowers it.
-_FLOOR_LUA = """
+# KEYS: accepted, held, weights_latest, doorbell. ARGV: floor, B, slack. Raises the counter to
+# the floor, never lowers it, and rings the doorbell for the groups the new bound lets in.
+_PUBLISHED_LUA = RING_FN + _FREE_FN + """
 local accepted = tonumber(redis.call('GET', KEYS[1]) or '0')
 if accepted < tonumber(ARGV[1]) then
   redis.call('SET', KEYS[1], ARGV[1])
-  return tonumber(ARGV[1])
+  accepted = tonumber(ARGV[1])
 end
+ring(KEYS[4], free(KEYS[2], KEYS[1], KEYS[3], ARGV[2], ARGV[3]))
 return accepted
 """
 
 
-async def floor_accepted(client, keys: Keys, trained_groups: int) -> int:
-    """The learner, at each publication: at least the groups it trained on count as accepted,
-    so a Redis that lost the counter cannot let actors run ahead of the bound."""
-    return int(await client.eval(_FLOOR_LUA, 1, keys.tickets_accepted, trained_groups))
+async def published(client, keys: Keys, trained_groups: int, groups_per_step: int, eta: int) -> int:
+    """The learner, after each publication: at least the groups it trained on count as accepted
+    (a Redis that lost the counter cannot let actors run ahead of the bound), and the groups
+    waiting for tickets are woken, as many as the new bound lets in. Returns `accepted`."""
+    return int(await client.eval(_PUBLISHED_LUA, 4, keys.tickets_accepted, keys.tickets_held, keys.weights_latest,
+                                 keys.tickets_doorbell, trained_groups, groups_per_step,
+                                 (eta + 1) * groups_per_step))
 
 
 async def group_counts(client, keys: Keys) -> dict[str, Any]:
@@ -149,14 +176,17 @@ async def group_counts(client, keys: Keys) -> dict[str, Any]:
 
 class Admission:
     """One actor's side of the tickets. `ticket_ttl_s` is how long a ticket lives without
-    a renewal (the actor's heartbeat renews the tickets it holds)."""
+    a renewal (the actor's heartbeat renews the tickets it holds). A group refused a ticket
+    waits on the tickets' doorbell, rung when the bound lets groups in (`fallback_s`: it
+    tries again at least this often, rung or not)."""
 
     def __init__(self, client, keys: Keys, groups_per_step: int, eta: int, ticket_ttl_s: float = 60.0,
-                 poll_s: float = 0.05):
+                 fallback_s: float = FALLBACK_S):
         self.client, self.keys = client, keys
         self.groups_per_step = groups_per_step
         self.slack = (eta + 1) * groups_per_step  # eta: optimizer steps ahead (learner.steps_ahead)
-        self.ttl_s, self.poll_s = ticket_ttl_s, poll_s
+        self.ttl_s = ticket_ttl_s
+        self.doorbell = Doorbell(client, keys.tickets_doorbell, fallback_s)
         self._acquire = client.register_script(_ACQUIRE_LUA)
         self._commit = client.register_script(_COMMIT_LUA)
         self._release = client.register_script(_RELEASE_LUA)
@@ -167,7 +197,7 @@ class Admission:
     async def try_acquire(self, ticket: str) -> bool:
         k = self.keys
         granted, _used, _bound = await self._acquire(
-            keys=[k.tickets_held, k.tickets_lost, k.tickets_accepted, k.weights_latest, k.counts],
+            keys=[k.tickets_held, k.tickets_lost, k.tickets_accepted, k.weights_latest, k.counts, k.tickets_doorbell],
             args=[ticket, self.ttl_s, self.groups_per_step, self.slack])
         return bool(granted)
 
@@ -182,7 +212,7 @@ class Admission:
                 logged = True
             if stop is not None and stop.is_set():
                 return False
-            await asyncio.sleep(self.poll_s)
+            await self.doorbell.wait(stop)
         self.waited_s += time.monotonic() - started
         return True
 
@@ -198,7 +228,10 @@ class Admission:
 
     async def release(self, ticket: str, reason: str) -> bool:
         """The ticket's group failed or was cancelled: the ticket comes back, counted under `reason`."""
-        return bool(await self._release(keys=[self.keys.tickets_held, self.keys.counts], args=[ticket, reason]))
+        k = self.keys
+        return bool(await self._release(
+            keys=[k.tickets_held, k.counts, k.tickets_accepted, k.weights_latest, k.tickets_doorbell],
+            args=[ticket, reason, self.groups_per_step, self.slack]))
 
     async def renew(self, tickets: list[str]) -> None:
         if tickets:
@@ -207,5 +240,6 @@ class Admission:
     async def release_predecessors(self, name: str, incarnation: str) -> int:
         """Tickets held by earlier processes of actor `name` (dead: this one took its place) come back."""
         k = self.keys
-        return int(await self._predecessors(keys=[k.tickets_held, k.tickets_lost, k.counts],
-                                            args=[f"{name}|", f"{name}|{incarnation}|"]))
+        return int(await self._predecessors(
+            keys=[k.tickets_held, k.tickets_lost, k.counts, k.tickets_accepted, k.weights_latest, k.tickets_doorbell],
+            args=[f"{name}|", f"{name}|{incarnation}|", self.groups_per_step, self.slack]))

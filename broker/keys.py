@@ -22,6 +22,10 @@ class Keys:
             raise ValueError(f"shard {shard} out of range 0..{self.shards - 1}")
         return f"{self.prefix}:rollouts" if self.shards == 1 else f"omrl:{{{self.run}:q{shard}}}:rollouts"
 
+    def space_doorbell(self, shard: int = 0) -> str:
+        """List: tokens rung when rollout stream `shard` frees space (broker/doorbell.py); the stream's slot."""
+        return f"{self.rollouts(shard)}:doorbell"
+
     @property
     def streams(self) -> list[str]:
         return [self.rollouts(i) for i in range(self.shards)]
@@ -74,6 +78,11 @@ class Keys:
     def tickets_accepted(self) -> str:
         """Counter of groups written to the streams and not dead-lettered: the admission bound's other half."""
         return f"{self.prefix}:tickets:accepted"
+
+    @property
+    def tickets_doorbell(self) -> str:
+        """List: tokens rung when admission tickets become available (broker/doorbell.py)."""
+        return f"{self.prefix}:tickets:doorbell"
 
     @property
     def counts(self) -> str:

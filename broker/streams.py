@@ -4,8 +4,10 @@ XDEL, pipelined), and moves what it cannot use to the dead-letter stream with th
 exactly once (the stream is capped; the counts by reason are kept whole in the run's
 `counts` hash).
 
-Nothing is trimmed: back-pressure makes producers wait while a stream is full. Producers
-keep a bounded local buffer and retry by a declared policy while Redis is unreachable.
+Nothing is trimmed: back-pressure makes producers wait while a stream is full, on the
+stream's doorbell (broker/doorbell.py), which the learner's acknowledgements ring for the room
+they make. Producers keep a bounded local buffer and retry by a declared policy while Redis
+is unreachable.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import ResponseError
 
 from broker.admission import COMMIT_FN, Admission
+from broker.doorbell import FALLBACK_S, RING_FN, Doorbell
 from broker.keys import Keys
 from broker.retry import RetryPolicy
 
@@ -30,14 +33,19 @@ log = logging.getLogger(__name__)
 PAYLOAD_FIELD = b"g"
 
 # The back-pressure check and the XADD in one round trip, and exact: no other producer adds
-# between them. KEYS: the stream, then the ticket's commit keys where the group's ticket is
-# committed with it (one slot). ARGV: the length bound (0: none), the field, the payload,
-# then the ticket. A full stream adds nothing and answers nil.
-_ADD_LUA = COMMIT_FN + """
+# between them. KEYS: the stream, its doorbell, then the ticket's commit keys where the group's
+# ticket is committed with it (one slot). ARGV: the length bound (0: none), the field, the
+# payload, then the ticket. A full stream adds nothing, empties the doorbell (its tokens were
+# stale: there is no room) and answers nil; an add that leaves room relays the doorbell.
+_ADD_LUA = COMMIT_FN + RING_FN + """
 local bound = tonumber(ARGV[1])
-if bound > 0 and redis.call('XLEN', KEYS[1]) >= bound then return false end
+if bound > 0 and redis.call('XLEN', KEYS[1]) >= bound then
+  ring(KEYS[2], 0)
+  return false
+end
 local id = redis.call('XADD', KEYS[1], '*', ARGV[2], ARGV[3])
-if #KEYS > 1 then commit(KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[4]) end
+if bound > 0 then relay(KEYS[2], bound - redis.call('XLEN', KEYS[1])) end
+if #KEYS > 2 then commit(KEYS[3], KEYS[4], KEYS[5], KEYS[6], ARGV[4]) end
 return id
 """
 
@@ -67,13 +75,14 @@ class RolloutProducer:
     """
 
     def __init__(self, client: aioredis.Redis, keys: Keys, max_len: int, buffer_size: int = 64,
-                 retry: RetryPolicy = RetryPolicy(), poll_s: float = 0.05, admission: Admission | None = None):
-        self.client, self.keys, self.max_len, self.poll_s, self.retry = client, keys, max_len, poll_s, retry
+                 retry: RetryPolicy = RetryPolicy(), fallback_s: float = FALLBACK_S, admission: Admission | None = None):
+        self.client, self.keys, self.max_len, self.retry = client, keys, max_len, retry
         self.admission = admission
+        self.doorbells = [Doorbell(client, keys.space_doorbell(i), fallback_s) for i in range(keys.shards)]
         self._buffer: asyncio.Queue[tuple[bytes, str | None]] = asyncio.Queue(buffer_size)
         self._shards = itertools.cycle(range(keys.shards))
         self.waited_s = 0.0
-        self.ignore_bound = False  # set when stopping: finished groups go out past the length bound
+        self.unbounded = asyncio.Event()  # set when stopping: finished groups go out past the length bound
         self.tickets: set[str] = set()  # admission tickets of the groups not yet committed
         self._add_script = client.register_script(_ADD_LUA)
 
@@ -96,35 +105,52 @@ class RolloutProducer:
         them can never leave a group in the stream whose ticket comes back as lost."""
         while True:
             data, ticket = await self._buffer.get()
-            stream = self.keys.rollouts(next(self._shards))
+            shard = next(self._shards)
             together = (ticket is not None and self.admission is not None and self.keys.shards == 1
                         and not isinstance(self.client, RedisCluster))
             await self.retry.run("XADD to the rollouts stream",
-                                 lambda: self._add(stream, data, ticket if together else None))
+                                 lambda: self._add(shard, data, ticket if together else None))
             if ticket is not None:
                 if self.admission is not None and not together:
                     await self.retry.run("commit the admission ticket", lambda: self.admission.commit(ticket))
                 self.tickets.discard(ticket)
             self._buffer.task_done()
 
-    async def _add(self, stream: str, data: bytes, ticket: str | None = None) -> str:
+    async def _add(self, shard: int, data: bytes, ticket: str | None = None) -> str:
         started = time.monotonic()
-        keys = [stream, *(self.admission.commit_keys if ticket is not None else [])]
+        stream = self.keys.rollouts(shard)
+        keys = [stream, self.keys.space_doorbell(shard), *(self.admission.commit_keys if ticket is not None else [])]
         tail = [PAYLOAD_FIELD, data, *([ticket] if ticket is not None else [])]
         logged = False
-        while (entry_id := await self._add_script(keys=keys, args=[0 if self.ignore_bound else self.max_len,
+        while (entry_id := await self._add_script(keys=keys, args=[0 if self.unbounded.is_set() else self.max_len,
                                                                    *tail])) is None:
             if not logged:
                 log.info("rollouts stream %s full (%d groups): waiting for the learner", stream, self.max_len)
                 logged = True
-            await asyncio.sleep(self.poll_s)
+            await self.doorbells[shard].wait(self.unbounded)
         self.waited_s += time.monotonic() - started
         return _id(entry_id)
 
 
-# KEYS: stream, dead letters, counts, accepted. ARGV: group, entry id, max_len, reason, detail,
-# stream name, data. All keys carry the run's hash tag: one slot, so one script on a cluster too.
-_DEAD_LETTER_LUA = """
+# The room a stream has, rung on its doorbell: room(stream, max_len) (0: no bound, no ring).
+_ROOM_FN = RING_FN + """
+local function room(stream, doorbell, max_len)
+  if tonumber(max_len) > 0 then ring(doorbell, tonumber(max_len) - redis.call('XLEN', stream)) end
+end
+"""
+
+# KEYS: stream, its doorbell. ARGV: group, max_len, entry ids...
+_ACK_LUA = _ROOM_FN + """
+redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3))
+redis.call('XDEL', KEYS[1], unpack(ARGV, 3))
+room(KEYS[1], KEYS[2], ARGV[2])
+return 1
+"""
+
+# KEYS: stream, dead letters, counts, accepted, the stream's doorbell. ARGV: group, entry id,
+# max_len, reason, detail, stream name, data, the stream's max_len. All keys but the stream's
+# carry the run's hash tag (one slot with one stream, so one script on a cluster too).
+_DEAD_LETTER_LUA = _ROOM_FN + """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
   redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'reason', ARGV[4], 'detail', ARGV[5],
              'stream', ARGV[6], 'entry', ARGV[2], 'data', ARGV[7])
@@ -132,6 +158,7 @@ if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
   redis.call('DECR', KEYS[4])
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
+room(KEYS[1], KEYS[5], ARGV[8])
 return 1
 """
 
@@ -141,11 +168,14 @@ class RolloutConsumer:
 
     A (re)started consumer first reads its own pending entries once, in order, with a
     cursor (each XREADGROUP with an id returns the entries after it), then new ones (>).
+    Acknowledging rings the stream's doorbell for the room there is under `max_len`, the
+    producers' bound (0: rings nothing; producers then try again after their fallback).
     """
 
-    def __init__(self, client: aioredis.Redis, keys: Keys, consumer: str, shard: int = 0):
-        self.client, self.keys, self.consumer, self.shard = client, keys, consumer, shard
+    def __init__(self, client: aioredis.Redis, keys: Keys, consumer: str, shard: int = 0, max_len: int = 0):
+        self.client, self.keys, self.consumer, self.shard, self.max_len = client, keys, consumer, shard, max_len
         self.stream = keys.rollouts(shard)
+        self._ack = client.register_script(_ACK_LUA)
         self.group = keys.consumer_group
         self.pending_cursor: str | None = "0"  # None: own pending entries have been read
 
@@ -182,12 +212,10 @@ class RolloutConsumer:
         return [Entry(e, d, counts.get(e, 1)) for e, d in entries]
 
     async def ack(self, entry_ids: list[str]) -> None:
-        if not entry_ids:
-            return
-        async with self.client.pipeline(transaction=False) as pipe:
-            pipe.xack(self.stream, self.group, *entry_ids)
-            pipe.xdel(self.stream, *entry_ids)
-            await pipe.execute()
+        """Acknowledge and delete the entries (one script), and ring the room they made."""
+        if entry_ids:
+            await self._ack(keys=[self.stream, self.keys.space_doorbell(self.shard)],
+                            args=[self.group, self.max_len, *entry_ids])
 
     async def dead_letter(self, entry_id: str, data: bytes | None, reason: str, detail: str = "",
                           max_len: int = 10_000) -> None:
@@ -196,9 +224,10 @@ class RolloutConsumer:
         Redis killed in the middle, or a retry after a lost reply, never moves it twice (an
         entry no longer pending was moved already)."""
         log.warning("dead letter %s %s: %s %s", self.stream, entry_id, reason, detail)
-        keys = [self.stream, self.keys.dead_letters, self.keys.counts, self.keys.tickets_accepted]
+        keys = [self.stream, self.keys.dead_letters, self.keys.counts, self.keys.tickets_accepted,
+                self.keys.space_doorbell(self.shard)]
         await self.client.eval(_DEAD_LETTER_LUA, len(keys), *keys, self.group, entry_id, max_len, reason,
-                               detail[:1000], self.stream, data or b"")
+                               detail[:1000], self.stream, data or b"", self.max_len)
 
     async def claim_idle(self, min_idle_ms: int, held: Container[str] = (), count: int = 100) -> list[Entry]:
         """Claim entries pending longer than `min_idle_ms` that nobody is working on: those of

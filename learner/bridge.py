@@ -58,7 +58,8 @@ class BrokerBridge:
         self.read_count = read_count
         self.retry = RetryPolicy(attempts=cfg.retry_attempts)
         self.client = connect(cfg, blocking=True)
-        self.consumers = [RolloutConsumer(self.client, self.keys, consumer, shard) for shard in range(cfg.shards)]
+        self.consumers = [RolloutConsumer(self.client, self.keys, consumer, shard, cfg.max_stream_len)
+                          for shard in range(cfg.shards)]
         self.store = WeightStore(self.client, self.keys, keep=keep_versions, chunk_bytes=chunk_bytes,
                                  directory=weights_dir)
         self.members = Membership(self.client, self.keys)

@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 import torch
 
-from broker.admission import floor_accepted
+from broker.admission import published
 from broker.weights import STAGING, WeightStore
 from common.config import Config, require_set
 from common.messages import decode_group
@@ -186,7 +186,8 @@ class Learner:
                 await store.publish(version, step, weights)
             await bridge.client.hset(keys.learner_state, mapping={"step": step, "version": version,
                                                                   "groups_trained": trained, "time": time.time()})
-            await floor_accepted(bridge.client, keys, trained)
+            await published(bridge.client, keys, trained, self.cfg.learner.groups_per_step,
+                            self.cfg.learner.steps_ahead)
 
         bridge.call(publish, "publish weights")
 

@@ -1,5 +1,6 @@
 """A real actor process (vLLM on CPU, the env server) stops starting groups at the
-staleness bound and resumes when the learner publishes a new version."""
+staleness bound and resumes when the learner publishes a new version (woken by the
+publication's doorbell)."""
 
 import asyncio
 import subprocess
@@ -9,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from broker.admission import published
 from broker.connection import connect
 from broker.embedded import EmbeddedRedis, free_port
 from broker.keys import Keys
@@ -65,6 +67,7 @@ eta = {ETA}
             client = connect(redis_server.url)
             blob = (Path(tiny_model) / "model.safetensors").read_bytes()
             await WeightStore(client, keys).publish(version, version, blob)  # version v at step v
+            await published(client, keys, 0, B, ETA)  # as the learner does: rings the waiting groups
             await client.aclose()
 
         try:

@@ -5,10 +5,11 @@ dead actors' tickets come back, each counted, and the books balance."""
 import asyncio
 import itertools
 import random
+import time
 
 import pytest
 
-from broker.admission import Admission, floor_accepted, group_counts
+from broker.admission import Admission, group_counts, published
 from broker.connection import connect
 from broker.keys import Keys
 from broker.retry import RetryPolicy
@@ -109,9 +110,11 @@ def test_floor_and_dead_letters_keep_the_bound_honest(redis_server_url, run_name
         admission = Admission(client, keys, groups_per_step=2, eta=0)
         await publish(client, keys, 9, 9)
         # A Redis that lost the counter: the learner's floor (groups it trained on) restores it.
-        assert await floor_accepted(client, keys, 18) == 18
-        assert await floor_accepted(client, keys, 6) == 18  # never lowered
+        assert await published(client, keys, 18, groups_per_step=2, eta=0) == 18
+        assert await client.llen(keys.tickets_doorbell) == 2  # rung for the 2 groups the bound lets in
+        assert await published(client, keys, 6, groups_per_step=2, eta=0) == 18  # never lowered
         assert [await admission.try_acquire(f"a|1|{i}") for i in range(3)] == [True, True, False]
+        assert await client.llen(keys.tickets_doorbell) == 0  # the refusal emptied it
         # A dead-lettered group gives its ticket back.
         consumer = RolloutConsumer(client, keys, "learner-0")
         await consumer.ensure_group()
@@ -121,6 +124,60 @@ def test_floor_and_dead_letters_keep_the_bound_honest(redis_server_url, run_name
         assert await admission.try_acquire("a|1|3")
         await client.aclose()
     run(scenario())
+
+
+def test_waiting_groups_are_woken_by_what_lets_them_in_not_by_polling(redis_server_url, run_name):
+    """Groups refused a ticket wait on the doorbell with a fallback of 20 s: a publication
+    wakes as many as the new bound lets in, within a fraction of the fallback, and no more;
+    a released ticket wakes one more; a stop ends a wait at once. Counted from Redis's own
+    command statistics: the waiters sent no script call while they waited."""
+    B, fallback = 2, 20.0
+
+    async def scenario():
+        client = connect(redis_server_url, blocking=True)
+        keys = Keys(run_name)
+        admission = Admission(client, keys, groups_per_step=B, eta=0, fallback_s=fallback)
+        await publish(client, keys, 0, 0)
+        assert [await admission.try_acquire(f"a|1|{i}") for i in range(B + 1)] == [True] * B + [False]
+        stop = asyncio.Event()
+        granted: list[float] = []
+
+        async def group(i: int) -> bool:
+            got = await admission.acquire(f"w|1|{i}", stop)
+            granted.append(time.monotonic())
+            return got
+
+        waiters = [asyncio.create_task(group(i)) for i in range(5)]
+        await asyncio.sleep(0.5)
+        calls = await script_calls(client)
+        await asyncio.sleep(1.0)
+        assert await script_calls(client) - calls <= 1 and not granted  # asleep: nothing polls
+        started = time.monotonic()
+        await publish(client, keys, 1, 1)
+        await published(client, keys, 0, B, eta=0)  # one step more: B groups more
+        while len(granted) < B:
+            await asyncio.sleep(0.01)
+        woken_s = time.monotonic() - started
+        await asyncio.sleep(0.5)
+        assert len(granted) == B  # no herd: the others sleep on
+        assert await admission.release("a|1|0", "env_error")  # one ticket back: one more group
+        while len(granted) < B + 1:
+            await asyncio.sleep(0.01)
+        assert time.monotonic() - started < fallback / 10
+        stop.set()
+        results = await asyncio.wait_for(asyncio.gather(*waiters), fallback / 10)
+        assert sorted(results) == [False, False, True, True, True]
+        assert (admission.doorbell.rung, admission.doorbell.timed_out) == (B + 1, 0)  # a token a group let in
+        await client.aclose()
+        return woken_s
+
+    assert run(scenario()) < fallback / 20
+
+
+async def script_calls(client) -> int:
+    """EVAL and EVALSHA calls the server has run so far."""
+    stats = await client.info("commandstats")
+    return sum(int(v["calls"]) for k, v in stats.items() if k in ("cmdstat_evalsha", "cmdstat_eval"))
 
 
 @pytest.mark.parametrize("publish_every", [2, 3])
@@ -144,7 +201,7 @@ def test_actors_dying_with_tickets_never_stall_the_learner(redis_server_url, run
         rng = random.Random(publish_every)
 
         async def actor(name: str, dies_after: int | None):
-            admission = Admission(client, keys, B, eta, ticket_ttl_s=0.5, poll_s=0.01)
+            admission = Admission(client, keys, B, eta, ticket_ttl_s=0.5)
             producer = RolloutProducer(client, keys, max_len=1000, retry=RetryPolicy(attempts=3), admission=admission)
             tickets = itertools.count()
             dead = asyncio.Event()
@@ -185,6 +242,7 @@ def test_actors_dying_with_tickets_never_stall_the_learner(redis_server_url, run
                 version += 1
                 published_step = step
                 await store.publish(version, step, b"w")
+                await published(client, keys, step * B, B, eta)  # as the learner does: wakes the waiters
         for a in actors:
             a.cancel()
         await asyncio.gather(*actors, return_exceptions=True)

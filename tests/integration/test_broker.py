@@ -24,7 +24,7 @@ class Setup:
         self.client = connect(url, blocking=True)
         self.keys = Keys(run_name, shards)
         self.producer = RolloutProducer(self.client, self.keys, max_len, retry=RetryPolicy(attempts=3))
-        self.consumer = RolloutConsumer(self.client, self.keys, "c1")
+        self.consumer = RolloutConsumer(self.client, self.keys, "c1", max_len=max_len)
 
     async def __aenter__(self):
         await self.consumer.ensure_group()
@@ -185,12 +185,13 @@ def test_producer_waits_while_the_stream_is_full(redis_server_url, run_name):
 def test_many_producers_never_push_the_stream_past_its_bound(redis_server_url, run_name):
     """16 producers on their own connections, each with groups to send, a stream bounded at
     5 and a slow reader: the length never goes past 5 (a length check apart from the XADD
-    lets producers that checked at the same time all add)."""
+    lets producers that checked at the same time all add). The producers wait on the stream's
+    doorbell with a fallback longer than the whole test: only the reader's acks wake them."""
     async def scenario():
         keys = Keys(run_name)
         clients = [connect(redis_server_url) for _ in range(17)]
-        producers = [RolloutProducer(c, keys, 5, poll_s=0.001) for c in clients[:16]]
-        consumer = RolloutConsumer(clients[16], keys, "c1")
+        producers = [RolloutProducer(c, keys, 5, fallback_s=25) for c in clients[:16]]
+        consumer = RolloutConsumer(clients[16], keys, "c1", max_len=5)
         await consumer.ensure_group()
         flushers = [asyncio.create_task(p.run()) for p in producers]
         for i, p in enumerate(producers):
@@ -208,7 +209,7 @@ def test_many_producers_never_push_the_stream_past_its_bound(redis_server_url, r
             await c.aclose()
         return lengths, got
 
-    lengths, got = run(scenario())
+    lengths, got = run(asyncio.wait_for(scenario(), 20))
     assert max(lengths) == 5 and sorted(got) == sorted(b"%d-%d" % (i, j) for i in range(16) for j in range(4))
 
 
@@ -372,11 +373,12 @@ def test_every_key_of_a_run_shares_its_hash_tag():
     keys = Keys("r1")
     for key in (keys.rollouts(), keys.dead_letters, keys.weights_latest, keys.weights_channel, keys.weights_chunk(3, 0),
                 keys.weights_record(3), keys.weights_kept,
-                keys.tickets_held, keys.tickets_lost, keys.tickets_accepted, keys.counts, keys.members,
-                keys.learner_state):
+                keys.tickets_held, keys.tickets_lost, keys.tickets_accepted, keys.tickets_doorbell, keys.counts,
+                keys.members, keys.learner_state):
         assert "{r1}" in key
     sharded = Keys("r1", shards=3)
     assert sharded.streams == ["omrl:{r1:q0}:rollouts", "omrl:{r1:q1}:rollouts", "omrl:{r1:q2}:rollouts"]
+    assert sharded.space_doorbell(2) == "omrl:{r1:q2}:rollouts:doorbell"  # the stream's slot: one script rings it
 
 
 def test_a_stopping_producer_writes_its_buffer_past_the_length_bound(redis_server_url, run_name):
@@ -389,7 +391,7 @@ def test_a_stopping_producer_writes_its_buffer_past_the_length_bound(redis_serve
                 await s.producer.push(p)
             await asyncio.sleep(0.2)
             assert await s.client.xlen(s.keys.rollouts()) == 2  # waiting on the bound
-            s.producer.ignore_bound = True
+            s.producer.unbounded.set()  # wakes the producer waiting on the doorbell
             await asyncio.wait_for(s.producer.flush(), 5)
             assert await s.client.xlen(s.keys.rollouts()) == 4
     run(scenario())

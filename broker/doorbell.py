@@ -1,0 +1,77 @@
+"""Waiting for capacity without polling: a doorbell is a Redis list of tokens.
+
+Whoever frees capacity rings, inside the script that frees it: the bell then holds one token
+for each group the capacity can let in now (a publication raises the admission bound, a
+released ticket frees a slot, an acknowledgement frees stream space). A waiter blocks on
+BLPOP: Redis hands each token to exactly one blocked client, the oldest first, so a ring
+wakes as many waiters as there is room for and no more (no herd), and a ring that comes
+between a waiter's failed try and its BLPOP is not lost (the token waits in the list).
+
+A token is a hint, never a permit: the woken waiter tries again through the script that
+decides (the admission bound, the stream's length bound), and waits again if it lost the
+race. A token lost with its waiter (a process killed between the pop and the try), a ring
+that never came (a ticket that expired with its actor) or a Redis that lost the list cost at
+most the fallback timeout, after which a waiter tries anyway. A ring replaces the tokens
+left from earlier rings, so the list never holds more than the capacity it announces, and a
+refused try empties it: tokens rung while nobody waits wake one waiter at most for nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+FALLBACK_S = 2.0  # a waiter tries again at least this often, rung or not
+
+RING_MAX = 256  # tokens a ring pushes at most; waiters granted with more room left relay the rest
+
+# Lua functions for the scripts that free or take capacity. ring(key, free): the bell holds
+# min(free, RING_MAX) tokens (none if free <= 0), whatever it held. relay(key, free): a waiter
+# granted with RING_MAX or more groups' room left rings an empty bell, so more waiters than
+# one ring wakes are woken in turn (below that, the tokens in flight cover the room).
+RING_FN = """
+local function ring(key, free)
+  redis.call('DEL', key)
+  local n = math.min(tonumber(free), %d)
+  if n > 0 then
+    local tokens = {}
+    for i = 1, n do tokens[i] = '1' end
+    redis.call('RPUSH', key, unpack(tokens))
+  end
+end
+local function relay(key, free)
+  if tonumber(free) >= %d and redis.call('LLEN', key) == 0 then ring(key, free) end
+end
+""" % (RING_MAX, RING_MAX)
+
+
+class Doorbell:
+    """One waiter's side of a doorbell (`key`, a list in the slot of the keys whose capacity it
+    announces). `fallback_s` must stay below the client's socket timeout."""
+
+    def __init__(self, client, key: str, fallback_s: float = FALLBACK_S):
+        if fallback_s <= 0:
+            raise ValueError(f"a doorbell's fallback_s must be positive, not {fallback_s}")
+        self.client, self.key, self.fallback_s = client, key, fallback_s
+        self.rung = self.timed_out = 0  # wake-ups by a token, by the fallback
+
+    async def wait(self, stop: asyncio.Event | None = None) -> bool:
+        """Block until a token is taken (True), the fallback passes or `stop` is set (False)."""
+        pop = asyncio.ensure_future(self.client.blpop([self.key], timeout=self.fallback_s))
+        if stop is None:
+            got = await pop
+        else:
+            stopped = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait({pop, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                pop.cancel()  # a token it took as it was cancelled is lost: the fallback covers it
+                stopped.cancel()
+                await asyncio.gather(pop, stopped, return_exceptions=True)
+            if pop.cancelled():
+                return False
+            got = pop.result()  # a Redis error propagates
+        if got is None:
+            self.timed_out += 1
+            return False
+        self.rung += 1
+        return True
