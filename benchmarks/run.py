@@ -20,7 +20,7 @@ from pathlib import Path
 BENCHMARKS = {"broker": "benchmarks.broker", "pipeline": "benchmarks.pipeline", "weights": "benchmarks.weights",
               "engine": "benchmarks.engine", "learner": "benchmarks.learner", "memory": "benchmarks.memory",
               "shards": "benchmarks.shards", "fanout": "benchmarks.fanout", "env": "benchmarks.env",
-              "staleness": "benchmarks.staleness"}
+              "staleness": "benchmarks.staleness", "scale": "benchmarks.scale"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

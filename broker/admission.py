@@ -25,8 +25,8 @@ at each publication, floors `accepted` to the groups it has trained on, so a Red
 lost its data cannot let actors run ahead.
 
 A group refused a ticket waits on the tickets' doorbell (broker/doorbell.py), not by polling:
-each publication (`published`), released ticket and expired one rings it for as many groups
-as the bound lets in now, and a refusal empties it.
+each publication, released ticket and expired one, and the learner's janitor every few seconds
+(`wake_waiting`), ring it for as many groups as the bound lets in now; a refusal empties it.
 
 Everything is one Lua script per operation on keys of the run's hash tag (one slot), with
 the server's clock (TIME), so actors on machines whose clocks differ agree on expiry.
@@ -35,6 +35,7 @@ the server's clock (TIME), so actors on machines whose clocks differ agree on ex
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import Any
@@ -142,7 +143,7 @@ return n
 
 # KEYS: accepted, held, weights_latest, doorbell. ARGV: floor, B, slack. Raises the counter to
 # the floor, never lowers it, and rings the doorbell for the groups the new bound lets in.
-_PUBLISHED_LUA = RING_FN + _FREE_FN + """
+_WAKE_LUA = RING_FN + _FREE_FN + """
 local accepted = tonumber(redis.call('GET', KEYS[1]) or '0')
 if accepted < tonumber(ARGV[1]) then
   redis.call('SET', KEYS[1], ARGV[1])
@@ -153,11 +154,13 @@ return accepted
 """
 
 
-async def published(client, keys: Keys, trained_groups: int, groups_per_step: int, eta: int) -> int:
-    """The learner, after each publication: at least the groups it trained on count as accepted
-    (a Redis that lost the counter cannot let actors run ahead of the bound), and the groups
-    waiting for tickets are woken, as many as the new bound lets in. Returns `accepted`."""
-    return int(await client.eval(_PUBLISHED_LUA, 4, keys.tickets_accepted, keys.tickets_held, keys.weights_latest,
+async def wake_waiting(client, keys: Keys, groups_per_step: int, eta: int, trained_groups: int = 0) -> int:
+    """The learner, after each publication and every janitor round: at least the groups it
+    trained on count as accepted (a Redis that lost the counter cannot let actors run ahead
+    of the bound), and the tickets' doorbell is rung for as many groups as the bound lets in
+    now (expired tickets count as room), which also heals rings that were lost. Returns
+    `accepted`."""
+    return int(await client.eval(_WAKE_LUA, 4, keys.tickets_accepted, keys.tickets_held, keys.weights_latest,
                                  keys.tickets_doorbell, trained_groups, groups_per_step,
                                  (eta + 1) * groups_per_step))
 
@@ -193,6 +196,7 @@ class Admission:
         self._renew = client.register_script(_RENEW_LUA)
         self._predecessors = client.register_script(_RELEASE_PREDECESSORS_LUA)
         self.waited_s = 0.0
+        self.waits: collections.deque[tuple[float, float]] = collections.deque(maxlen=10_000)  # (time, s waited)
 
     async def try_acquire(self, ticket: str) -> bool:
         k = self.keys
@@ -213,7 +217,9 @@ class Admission:
             if stop is not None and stop.is_set():
                 return False
             await self.doorbell.wait(stop)
-        self.waited_s += time.monotonic() - started
+        waited = time.monotonic() - started
+        self.waited_s += waited
+        self.waits.append((time.time(), waited))
         return True
 
     @property

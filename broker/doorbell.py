@@ -11,7 +11,9 @@ A token is a hint, never a permit: the woken waiter tries again through the scri
 decides (the admission bound, the stream's length bound), and waits again if it lost the
 race. A token lost with its waiter (a process killed between the pop and the try), a ring
 that never came (a ticket that expired with its actor) or a Redis that lost the list cost at
-most the fallback timeout, after which a waiter tries anyway. A ring replaces the tokens
+most a round of the learner's janitor, which rings every doorbell for the room there is
+(`learner.bridge`), or, with no learner to ring, the fallback timeout, after which a waiter
+tries anyway. A ring replaces the tokens
 left from earlier rings, so the list never holds more than the capacity it announces, and a
 refused try empties it: tokens rung while nobody waits wake one waiter at most for nothing.
 """
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import asyncio
 
-FALLBACK_S = 2.0  # a waiter tries again at least this often, rung or not
+# A waiter tries again at least this often, rung or not: the last resort (the learner's janitor
+# rings every few seconds). Below the clients' 30 s socket timeout, which a BLPOP must not reach.
+FALLBACK_S = 20.0
 
 RING_MAX = 256  # tokens a ring pushes at most; waiters granted with more room left relay the rest
 

@@ -139,6 +139,9 @@ local function room(stream, doorbell, max_len)
 end
 """
 
+# KEYS: stream, its doorbell. ARGV: max_len.
+_ROOM_LUA = _ROOM_FN + "room(KEYS[1], KEYS[2], ARGV[1])\n"
+
 # KEYS: stream, its doorbell. ARGV: group, max_len, entry ids...
 _ACK_LUA = _ROOM_FN + """
 redis.call('XACK', KEYS[1], ARGV[1], unpack(ARGV, 3))
@@ -216,6 +219,11 @@ class RolloutConsumer:
         if entry_ids:
             await self._ack(keys=[self.stream, self.keys.space_doorbell(self.shard)],
                             args=[self.group, self.max_len, *entry_ids])
+
+    async def ring_room(self) -> None:
+        """Ring the stream's doorbell for the room it has now (the learner's janitor)."""
+        if self.max_len:
+            await self.client.eval(_ROOM_LUA, 2, self.stream, self.keys.space_doorbell(self.shard), self.max_len)
 
     async def dead_letter(self, entry_id: str, data: bytes | None, reason: str, detail: str = "",
                           max_len: int = 10_000) -> None:

@@ -23,6 +23,7 @@ from typing import TypeVar
 
 from redis.exceptions import ResponseError
 
+from broker.admission import wake_waiting
 from broker.connection import connect
 from broker.evals import last_eval_id, read_evals
 from broker.keys import Keys
@@ -51,8 +52,9 @@ class Delivery:
 
 class BrokerBridge:
     def __init__(self, cfg: RedisConfig, consumer: str, keep_versions: int, queue_size: int, read_count: int,
-                 chunk_bytes: int = 64 << 20, weights_dir: str | None = None):
+                 chunk_bytes: int = 64 << 20, weights_dir: str | None = None, admission: tuple[int, int] | None = None):
         self.cfg = cfg
+        self.admission = admission  # (groups per step, eta): the janitor rings the tickets' doorbell
         self.keys = Keys(cfg.run, cfg.shards)
         self.queue: queue.Queue[Delivery] = queue.Queue(maxsize=queue_size)
         self.read_count = read_count
@@ -207,9 +209,20 @@ class BrokerBridge:
                     if not _stream_gone(exc):
                         raise  # else Redis lost its data: the reader creates the group again
             await self._watch_members()
+            await self._ring_doorbells()
             records, self._evals_after = await self.retry.run(
                 "read evaluations", lambda: read_evals(self.client, self.keys, self._evals_after))
             self.evals.extend(records)
+
+    async def _ring_doorbells(self) -> None:
+        """Ring the doorbells for the room there is now (tickets, each stream's space): heals a
+        ring that was lost, and wakes the groups that expired tickets let in, within a janitor
+        round instead of the waiters' fallback."""
+        if self.admission is not None:
+            await self.retry.run("ring the tickets' doorbell",
+                                 lambda: wake_waiting(self.client, self.keys, *self.admission))
+        for consumer in self.consumers:
+            await self.retry.run("ring a stream's doorbell", consumer.ring_room)
 
     async def _tidy(self, consumer: RolloutConsumer) -> None:
         cfg = self.cfg

@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 import torch
 
-from broker.admission import published
+from broker.admission import wake_waiting
 from broker.weights import STAGING, WeightStore
 from common.config import Config, require_set
 from common.messages import decode_group
@@ -186,8 +186,8 @@ class Learner:
                 await store.publish(version, step, weights)
             await bridge.client.hset(keys.learner_state, mapping={"step": step, "version": version,
                                                                   "groups_trained": trained, "time": time.time()})
-            await published(bridge.client, keys, trained, self.cfg.learner.groups_per_step,
-                            self.cfg.learner.steps_ahead)
+            await wake_waiting(bridge.client, keys, self.cfg.learner.groups_per_step, self.cfg.learner.steps_ahead,
+                               trained_groups=trained)
 
         bridge.call(publish, "publish weights")
 
@@ -246,7 +246,8 @@ class Learner:
         wcfg = cfg.weights
         bridge = BrokerBridge(cfg.redis, consumer=lcfg.consumer, keep_versions=lcfg.keep_versions,
                               queue_size=2 * lcfg.groups_per_step, read_count=lcfg.groups_per_step,
-                              chunk_bytes=wcfg.chunk_mb << 20, weights_dir=wcfg.dir).start()
+                              chunk_bytes=wcfg.chunk_mb << 20, weights_dir=wcfg.dir,
+                              admission=(lcfg.groups_per_step, lcfg.steps_ahead)).start()
         if wcfg.transport == "broadcast":
             self.sender = BroadcastSender(wcfg.host, wcfg.port, wcfg.timeout_s)
             log.info("weights go by broadcast from %s", self.sender.address)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.admission import published
+from broker.admission import wake_waiting
 from broker.connection import connect
 from broker.embedded import EmbeddedRedis, free_port
 from broker.keys import Keys
@@ -67,7 +67,7 @@ eta = {ETA}
             client = connect(redis_server.url)
             blob = (Path(tiny_model) / "model.safetensors").read_bytes()
             await WeightStore(client, keys).publish(version, version, blob)  # version v at step v
-            await published(client, keys, 0, B, ETA)  # as the learner does: rings the waiting groups
+            await wake_waiting(client, keys, B, ETA)  # as the learner does: rings the waiting groups
             await client.aclose()
 
         try:

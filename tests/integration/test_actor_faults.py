@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from actors.engine import Generation
 from actors.weights import WeightGate, apply_newest, receive_weights
 from actors.worker import Actor
-from broker.admission import group_counts
+from broker.admission import group_counts, wake_waiting
 from broker.connection import connect
 from broker.embedded import free_port
 from broker.keys import Keys
@@ -102,6 +102,7 @@ def test_env_failures_cost_groups_not_the_actor(redis_server_url, run_name, tiny
                 while len(trained) >= (step + 1) * cfg.learner.groups_per_step:
                     step += 1
                     await store.publish(step, step, b"weights-%d" % step)
+                    await wake_waiting(client, keys, cfg.learner.groups_per_step, cfg.learner.steps_ahead)  # as the learner does
 
         await asyncio.wait_for(learn(12), 60)
         await runner.cleanup()  # the env server dies mid-run, for longer than a request's retries

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from broker.admission import Admission, group_counts, published
+from broker.admission import Admission, group_counts, wake_waiting
 from broker.connection import connect
 from broker.keys import Keys
 from broker.retry import RetryPolicy
@@ -110,9 +110,9 @@ def test_floor_and_dead_letters_keep_the_bound_honest(redis_server_url, run_name
         admission = Admission(client, keys, groups_per_step=2, eta=0)
         await publish(client, keys, 9, 9)
         # A Redis that lost the counter: the learner's floor (groups it trained on) restores it.
-        assert await published(client, keys, 18, groups_per_step=2, eta=0) == 18
+        assert await wake_waiting(client, keys, groups_per_step=2, eta=0, trained_groups=18) == 18
         assert await client.llen(keys.tickets_doorbell) == 2  # rung for the 2 groups the bound lets in
-        assert await published(client, keys, 6, groups_per_step=2, eta=0) == 18  # never lowered
+        assert await wake_waiting(client, keys, groups_per_step=2, eta=0, trained_groups=6) == 18  # never lowered
         assert [await admission.try_acquire(f"a|1|{i}") for i in range(3)] == [True, True, False]
         assert await client.llen(keys.tickets_doorbell) == 0  # the refusal emptied it
         # A dead-lettered group gives its ticket back.
@@ -154,7 +154,7 @@ def test_waiting_groups_are_woken_by_what_lets_them_in_not_by_polling(redis_serv
         assert await script_calls(client) - calls <= 1 and not granted  # asleep: nothing polls
         started = time.monotonic()
         await publish(client, keys, 1, 1)
-        await published(client, keys, 0, B, eta=0)  # one step more: B groups more
+        await wake_waiting(client, keys, B, eta=0)  # one step more: B groups more
         while len(granted) < B:
             await asyncio.sleep(0.01)
         woken_s = time.monotonic() - started
@@ -172,6 +172,39 @@ def test_waiting_groups_are_woken_by_what_lets_them_in_not_by_polling(redis_serv
         return woken_s
 
     assert run(scenario()) < fallback / 20
+
+
+def test_the_learners_janitor_wakes_groups_that_expired_tickets_let_in(redis_server_url, run_name):
+    """An actor dies holding every ticket the bound allows: nothing rings when its tickets
+    expire, but the learner's janitor rings the doorbell every round for the room there is
+    (expired tickets count as room), so a group waiting with a fallback of 20 s gets in
+    within a few rounds."""
+    from common.config import RedisConfig
+    from learner.bridge import BrokerBridge
+
+    B, eta = 2, 0
+    cfg = RedisConfig(url=redis_server_url, run=run_name, janitor_every_s=0.2)
+    bridge = BrokerBridge(cfg, "learner-0", keep_versions=2, queue_size=4, read_count=2, admission=(B, eta)).start()
+
+    async def scenario():
+        client = connect(redis_server_url, blocking=True)
+        keys = Keys(run_name)
+        await publish(client, keys, 0, 0)
+        dying = Admission(client, keys, B, eta, ticket_ttl_s=0.5)
+        assert [await dying.try_acquire(f"dead|1|{i}") for i in range(B)] == [True] * B
+        waiting = Admission(client, keys, B, eta, fallback_s=20.0)
+        started = time.monotonic()
+        assert await asyncio.wait_for(waiting.acquire("live|1|0"), 10)
+        counts = await group_counts(client, keys)
+        await client.aclose()
+        return time.monotonic() - started, waiting.doorbell, counts
+
+    try:
+        waited, doorbell, counts = run(scenario())
+    finally:
+        bridge.stop()
+    assert 0.5 <= waited < 3 and (doorbell.rung, doorbell.timed_out) == (1, 0)
+    assert counts["failed"] == {"actor_lost": B} and balanced(counts)
 
 
 async def script_calls(client) -> int:
@@ -234,7 +267,10 @@ def test_actors_dying_with_tickets_never_stall_the_learner(redis_server_url, run
         for step in range(1, steps + 1):
             batch = []
             while len(batch) < B:
-                batch += await consumer.read(B - len(batch), block_ms=200)
+                got = await consumer.read(B - len(batch), block_ms=200)
+                if not got:  # what the learner's janitor does every round: expired tickets are room
+                    await wake_waiting(client, keys, B, eta)
+                batch += got
             await consumer.ack([e.id for e in batch])
             counts = await group_counts(client, keys)
             ahead.append(counts["started"] - sum(counts["failed"].values()) - (published_step * B + (eta + 1) * B))
@@ -242,7 +278,7 @@ def test_actors_dying_with_tickets_never_stall_the_learner(redis_server_url, run
                 version += 1
                 published_step = step
                 await store.publish(version, step, b"w")
-                await published(client, keys, step * B, B, eta)  # as the learner does: wakes the waiters
+                await wake_waiting(client, keys, B, eta, trained_groups=step * B)  # as the learner does: wakes the waiters
         for a in actors:
             a.cancel()
         await asyncio.gather(*actors, return_exceptions=True)
