@@ -2,8 +2,8 @@
 
 The real actor (actors/worker.py's `Actor`: admission tickets, episodes over HTTP against a
 real `letters` env server, the producer, heartbeats, the weight receiver) with a simulated
-engine in place of vLLM (each turn's length drawn from an exponential of mean TOKENS tokens,
-generated at RATE tokens/s), N loops spread over up to PROCESSES actor processes; and the
+engine in place of vLLM (each turn's length drawn from an exponential of mean TOKENS tokens, at
+most MAX_TOKENS, generated at RATE tokens/s), N loops spread over up to PROCESSES actor processes; and the
 learner's real intake (learner/bridge.py's `BrokerBridge`: reads, decoding, the janitor,
 acknowledgements) with a simulated trainer step of STEP_S seconds per B groups, publishing a
 version every step as the learner does (the bytes through Redis, its state, `published`). The
@@ -41,10 +41,10 @@ from pathlib import Path
 from benchmarks.common import pyplot, spread, wait_http
 
 LOOPS = (1, 16, 128, 1024)
-QUICK_LOOPS = (1, 8)
+QUICK_LOOPS = (8,)
 PROCESSES = 4  # actor processes at most; N loops split evenly over them
 B, ETA, STEP_S = 16, 2, 1.0  # groups per step, the staleness bound, the simulated trainer's step
-RATE, TOKENS = 100.0, 16  # the simulated engine: tokens/s per request, mean tokens per turn
+RATE, TOKENS, MAX_TOKENS = 100.0, 8, 16  # the simulated engine: tokens/s a request, mean and most tokens a turn
 WARMUP_S, WINDOW_S = 10.0, 30.0
 QUICK_WARMUP_S, QUICK_WINDOW_S = 2.0, 3.0
 POLL_S = 0.05  # the baseline's polling period (broker/admission.py and streams.py before issue 27)
@@ -83,7 +83,7 @@ def settings(redis_url: str, env_port: int, model: str, run_dir: str, loops: int
     return [override(k, v) for k, v in {
         "redis.url": redis_url, "redis.run": "scale", "redis.max_stream_len": 2 * B, "model.path": model,
         "run.run_dir": run_dir, "run.log_level": "WARNING", "env.name": "letters", "env.port": env_port,
-        "actor.group_size": 2, "actor.concurrent_groups": loops, "learner.groups_per_step": B, "learner.eta": ETA,
+        "actor.group_size": 2, "actor.concurrent_groups": loops, "actor.max_tokens": MAX_TOKENS, "learner.groups_per_step": B, "learner.eta": ETA,
         "learner.checkpoint_every": 1}.items()]
 
 
@@ -130,7 +130,7 @@ class SimLearner(threading.Thread):
         from learner.bridge import BrokerBridge
 
         bridge = BrokerBridge(self.redis_cfg, consumer="learner-0", keep_versions=3, queue_size=2 * B,
-                              read_count=B).start()
+                              read_count=B, admission=(B, ETA)).start()
         blob = b"w" * 4096
 
         async def publish(step: int):
@@ -297,7 +297,7 @@ def report(points: list[dict], loops_sweep: tuple[int, ...]) -> dict:
                     "intake_kept": goals["intake_high_over_low"] >= 0.9, "redis_under_half_core": goals["redis_cpu_high"] < 0.5}
     return {"rows": rows, "points": points, "goals": goals,
             "settings": {"B": B, "eta": ETA, "step_s": STEP_S, "rate": RATE, "tokens": TOKENS, "processes": PROCESSES,
-                         "poll_s": POLL_S, "trainer_cap_groups_per_s": B / STEP_S}}
+                         "max_tokens": MAX_TOKENS, "poll_s": POLL_S, "trainer_cap_groups_per_s": B / STEP_S}}
 
 
 def plot(result: dict, path: Path) -> None:

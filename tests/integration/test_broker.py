@@ -60,6 +60,24 @@ def test_delivery_then_ack_deletes(redis_server_url, run_name):
             assert await s.client.xlen(s.keys.rollouts()) == 1  # acked entries are deleted, the unacked stays
             info = await stream_info(s.client, s.keys, 0)
             assert (info["length"], info["pending"], info["lag"]) == (1, 1, 0)
+            assert await s.client.llen(s.keys.space_doorbell()) == 100 - 1  # rung for the room: max_len less 1
+    run(scenario())
+
+
+def test_an_ack_of_thousands_of_entries_goes_through(redis_server_url, run_name):
+    """Acks go in scripts of a thousand ids: one script's unpack() of 2,500 ids would pass Lua's stack limit."""
+    async def scenario():
+        async with Setup(redis_server_url, run_name, max_len=10_000) as s:
+            async with s.client.pipeline(transaction=False) as pipe:
+                for i in range(2500):
+                    pipe.xadd(s.keys.rollouts(), {b"g": b"%d" % i})
+                await pipe.execute()
+            got = []
+            while len(got) < 2500:
+                got += await s.consumer.read(1000, block_ms=100)
+            await s.consumer.ack([e.id for e in got])
+            assert await s.client.xlen(s.keys.rollouts()) == 0
+            assert await s.client.llen(s.keys.space_doorbell()) == 256  # a ring pushes at most RING_MAX tokens
     run(scenario())
 
 
