@@ -83,8 +83,8 @@ def settings(redis_url: str, env_port: int, model: str, run_dir: str, loops: int
     return [override(k, v) for k, v in {
         "redis.url": redis_url, "redis.run": "scale", "redis.max_stream_len": 2 * B, "model.path": model,
         "run.run_dir": run_dir, "run.log_level": "WARNING", "env.name": "letters", "env.port": env_port,
-        "actor.group_size": 2, "actor.concurrent_groups": loops, "actor.max_tokens": MAX_TOKENS, "learner.groups_per_step": B, "learner.eta": ETA,
-        "learner.checkpoint_every": 1}.items()]
+        "actor.group_size": 2, "actor.concurrent_groups": loops, "actor.max_tokens": MAX_TOKENS,
+        "learner.groups_per_step": B, "learner.eta": ETA, "learner.checkpoint_every": 1}.items()]
 
 
 def actor_main(argv: list[str]) -> None:
