@@ -21,6 +21,7 @@ refused try empties it: tokens rung while nobody waits wake one waiter at most f
 from __future__ import annotations
 
 import asyncio
+import collections
 
 # A waiter tries again at least this often, rung or not: the last resort (the learner's janitor
 # rings every few seconds). Below the clients' 30 s socket timeout, which a BLPOP must not reach.
@@ -49,33 +50,53 @@ end
 
 
 class Doorbell:
-    """One waiter's side of a doorbell (`key`, a list in the slot of the keys whose capacity it
-    announces). `fallback_s` must stay below the client's socket timeout."""
+    """A process's side of a doorbell (`key`, a list in the slot of the keys whose capacity it
+    announces), shared by every waiter of the process (the group loops of an actor): one
+    listener blocks on BLPOP while any of them waits and hands each token to the one that has
+    waited longest. A thousand loops in four processes hold four blocking connections, and
+    the fallback wakes one waiter a process, not every loop. `fallback_s` must stay below the
+    client's socket timeout."""
 
     def __init__(self, client, key: str, fallback_s: float = FALLBACK_S):
         if fallback_s <= 0:
             raise ValueError(f"a doorbell's fallback_s must be positive, not {fallback_s}")
         self.client, self.key, self.fallback_s = client, key, fallback_s
         self.rung = self.timed_out = 0  # wake-ups by a token, by the fallback
+        self._waiters: collections.deque[asyncio.Future[bool]] = collections.deque()
+        self._listener: asyncio.Task | None = None
 
     async def wait(self, stop: asyncio.Event | None = None) -> bool:
-        """Block until a token is taken (True), the fallback passes or `stop` is set (False)."""
-        pop = asyncio.ensure_future(self.client.blpop([self.key], timeout=self.fallback_s))
-        if stop is None:
-            got = await pop
-        else:
-            stopped = asyncio.ensure_future(stop.wait())
-            try:
-                await asyncio.wait({pop, stopped}, return_when=asyncio.FIRST_COMPLETED)
-            finally:
-                pop.cancel()  # a token it took as it was cancelled is lost: the fallback covers it
+        """Block until this waiter's turn at a token (True), the fallback or `stop` (False).
+        A Redis error of the listener's BLPOP is raised here, to the caller's retry policy."""
+        turn: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        self._waiters.append(turn)
+        if self._listener is None or self._listener.done():
+            self._listener = asyncio.create_task(self._listen())
+        stopped = asyncio.ensure_future(stop.wait()) if stop is not None else None
+        try:
+            await asyncio.wait({turn} if stopped is None else {turn, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            return turn.result() if turn.done() else False
+        finally:
+            if stopped is not None:
                 stopped.cancel()
-                await asyncio.gather(pop, stopped, return_exceptions=True)
-            if pop.cancelled():
-                return False
-            got = pop.result()  # a Redis error propagates
-        if got is None:
-            self.timed_out += 1
-            return False
-        self.rung += 1
-        return True
+            if not turn.done():
+                turn.cancel()
+                self._waiters.remove(turn)
+
+    async def _listen(self) -> None:
+        try:
+            while self._waiters:
+                got = await self.client.blpop([self.key], timeout=self.fallback_s)
+                turn = self._waiters.popleft() if self._waiters else None
+                if turn is None:  # everyone stopped waiting: the token is another process's
+                    if got is not None:
+                        await self.client.rpush(self.key, got[1])
+                    continue  # a waiter that came meanwhile is served; none: the listener ends
+                if got is None:
+                    self.timed_out += 1
+                else:
+                    self.rung += 1
+                turn.set_result(got is not None)
+        except Exception as exc:  # noqa: BLE001 - each waiter raises it to its own retry policy
+            while self._waiters:
+                self._waiters.popleft().set_exception(exc)
