@@ -98,6 +98,7 @@ class Actor:
         self.groups = self.tokens = 0
         self.failed: Counter[str] = Counter()
         self.running: set[str] = set()  # tickets of the groups running now
+        self.asking: set[str] = set()  # of those, the tickets still waiting for admission
         self._tokens_per_s = 0.0
         self.in_flight = 0  # episodes running now
         self._weights_lock = asyncio.Lock()
@@ -175,7 +176,12 @@ class Actor:
                 return
             ticket = f"{self.name}|{self.incarnation}|{next(self._ticket_ids)}"
             self.running.add(ticket)  # before the request: a stop during it still returns the ticket
-            if not await self.retry.run("admission ticket", lambda: self.admission.acquire(ticket, self.stop)):
+            self.asking.add(ticket)  # not renewed while it waits: nothing to renew yet
+            try:
+                granted = await self.retry.run("admission ticket", lambda: self.admission.acquire(ticket, self.stop))
+            finally:
+                self.asking.discard(ticket)
+            if not granted:
                 self.running.discard(ticket)
                 return
             task_idx = self.rng.choice(self.train_tasks)
@@ -320,7 +326,7 @@ class Actor:
                                              version=self.gate.version, groups=self.groups,
                                              groups_failed=sum(self.failed.values()),
                                              tokens_per_s=round(self._tokens_per_s, 1))
-                await self.admission.renew(sorted(self.running | self.producer.tickets))
+                await self.admission.renew(sorted((self.running - self.asking) | self.producer.tickets))
                 await self.members.renew_slot(self.name)
             except REDIS_TRANSIENT as exc:  # a missed heartbeat is not worth stopping for
                 log.warning("heartbeat failed: %s", exc)

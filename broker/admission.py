@@ -117,9 +117,16 @@ end
 return 0
 """
 
-# KEYS: held. ARGV: ttl_s, tickets... Only tickets still held are renewed (XX).
+# KEYS: held. ARGV: ttl_s, tickets... Only tickets still held are renewed (XX), in one ZADD
+# (a thousand a call: unpack() has a stack limit), not one a ticket.
 _RENEW_LUA = _NOW + """
-for i = 2, #ARGV do redis.call('ZADD', KEYS[1], 'XX', now + tonumber(ARGV[1]), ARGV[i]) end
+local expiry = now + tonumber(ARGV[1])
+local args = {}
+for i = 2, #ARGV do
+  args[#args + 1] = expiry
+  args[#args + 1] = ARGV[i]
+end
+redis.call('ZADD', KEYS[1], 'XX', unpack(args))
 return #ARGV - 1
 """
 
@@ -240,8 +247,8 @@ class Admission:
             args=[ticket, reason, self.groups_per_step, self.slack]))
 
     async def renew(self, tickets: list[str]) -> None:
-        if tickets:
-            await self._renew(keys=[self.keys.tickets_held], args=[self.ttl_s, *tickets])
+        for i in range(0, len(tickets), 1000):
+            await self._renew(keys=[self.keys.tickets_held], args=[self.ttl_s, *tickets[i:i + 1000]])
 
     async def release_predecessors(self, name: str, incarnation: str) -> int:
         """Tickets held by earlier processes of actor `name` (dead: this one took its place) come back."""

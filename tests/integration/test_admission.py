@@ -89,6 +89,22 @@ def test_every_ticket_ends_once_and_the_books_balance(redis_server_url, run_name
     run(scenario())
 
 
+def test_a_renewal_of_thousands_of_tickets_renews_only_those_held(redis_server_url, run_name):
+    async def scenario():
+        client = connect(redis_server_url)
+        keys = Keys(run_name)
+        admission = Admission(client, keys, groups_per_step=8, eta=1, ticket_ttl_s=100.0)
+        held = [f"a|1|{i}" for i in range(3)]
+        assert all([await admission.try_acquire(t) for t in held])
+        before = {t: await client.zscore(keys.tickets_held, t) for t in held}
+        await asyncio.sleep(0.05)
+        await admission.renew(sorted([*held, *[f"a|1|w{i}" for i in range(2500)]]))  # in slices of a thousand
+        assert await client.zcard(keys.tickets_held) == 3  # XX: a ticket not held is not added
+        assert all([await client.zscore(keys.tickets_held, t) > before[t] for t in held])
+        await client.aclose()
+    run(scenario())
+
+
 def test_a_restarted_actor_returns_its_predecessors_tickets(redis_server_url, run_name):
     async def scenario():
         client = connect(redis_server_url)
