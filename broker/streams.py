@@ -1,6 +1,6 @@
 """The rollouts streams: producers XADD encoded groups, the learner reads them through a
 consumer group, acknowledges them after the step that used them is committed (XACK then
-XDEL, pipelined), and moves what it cannot use to the dead-letter stream with the reason,
+XDEL, one script), and moves what it cannot use to the dead-letter stream with the reason,
 exactly once (the stream is capped; the counts by reason are kept whole in the run's
 `counts` hash).
 
