@@ -2,10 +2,11 @@
 
 Whoever frees capacity rings, inside the script that frees it: the bell then holds one token
 for each group the capacity can let in now (a publication raises the admission bound, a
-released ticket frees a slot, an acknowledgement frees stream space). A waiter blocks on
-BLPOP: Redis hands each token to exactly one blocked client, the oldest first, so a ring
-wakes as many waiters as there is room for and no more (no herd), and a ring that comes
-between a waiter's failed try and its BLPOP is not lost (the token waits in the list).
+released ticket frees a slot, an acknowledgement frees stream space). Waiters block on BLPOP
+(one connection a process, `Doorbell`): Redis hands each token to exactly one blocked client,
+the oldest first, so a ring wakes as many waiters as there is room for and no more (no herd),
+and a ring that comes between a waiter's failed try and its BLPOP is not lost (the token
+waits in the list).
 
 A token is a hint, never a permit: the woken waiter tries again through the script that
 decides (the admission bound, the stream's length bound), and waits again if it lost the
@@ -13,9 +14,9 @@ race. A token lost with its waiter (a process killed between the pop and the try
 that never came (a ticket that expired with its actor) or a Redis that lost the list cost at
 most a round of the learner's janitor, which rings every doorbell for the room there is
 (`learner.bridge`), or, with no learner to ring, the fallback timeout, after which a waiter
-tries anyway. A ring replaces the tokens
-left from earlier rings, so the list never holds more than the capacity it announces, and a
-refused try empties it: tokens rung while nobody waits wake one waiter at most for nothing.
+tries anyway. A ring replaces the tokens left from earlier rings, so the list never holds
+more than the capacity it announces, and a refused try empties it: tokens rung while nobody
+waits wake one waiter at most for nothing.
 """
 
 from __future__ import annotations
