@@ -215,6 +215,9 @@ def test_many_producers_never_push_the_stream_past_its_bound(redis_server_url, r
         for i, p in enumerate(producers):
             for j in range(4):
                 await p.push(b"%d-%d" % (i, j))
+        while await clients[16].xlen(keys.rollouts()) < 5:  # the bound reached before the reader starts
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # time to overshoot, were the length check and the XADD apart
         lengths, got = [], []
         while len(got) < 64:
             lengths.append(await clients[16].xlen(keys.rollouts()))
@@ -228,7 +231,8 @@ def test_many_producers_never_push_the_stream_past_its_bound(redis_server_url, r
         return lengths, got
 
     lengths, got = run(asyncio.wait_for(scenario(), 20))
-    assert max(lengths) == 5 and sorted(got) == sorted(b"%d-%d" % (i, j) for i in range(16) for j in range(4))
+    assert lengths[0] == 5 and max(lengths) == 5  # at the bound, never past it
+    assert sorted(got) == sorted(b"%d-%d" % (i, j) for i in range(16) for j in range(4))
 
 
 def test_membership_reports_dead_members(redis_server_url, run_name):
