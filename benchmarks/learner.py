@@ -1,9 +1,13 @@
 """`omrl bench learner`: the learner's training step, `Trainer.train_step` at its defaults
 (micro-batches of at most learner.max_tokens_per_microbatch tokens, log-probs and entropy
 of the generated tokens chunked over the vocabulary, the off-policy loss, backward, grad
-clip, AdamW; no proximal pass with one update per batch), against a plain torch loop on its own copy of the model (one forward, a masked
-advantage-weighted log-prob loss on the same generated tokens, backward, AdamW with the same
-lr; no proximal pass, no entropy, no clip), alternated over repetitions on the same batches.
+clip, AdamW) at one update per batch (`learner.minibatches = 1`: no proximal pass), against a
+plain torch loop on its own copy of the model (one forward, a masked advantage-weighted
+log-prob loss on the same generated tokens, backward, AdamW with the same lr; no proximal
+pass, no entropy, no clip), alternated over repetitions on the same batches. A third copy,
+`default`, runs `Trainer.train_step` at the config's defaults (the trust region: a proximal
+pass over the batch, then `learner.minibatches` updates): its ratio to the one-update Trainer
+is what the trust region costs a step.
 
 Two Qwen2-architecture models with the 86-symbol character tokenizer, built here and loaded
 through `load_causal_lm` (from_pretrained): the tiny model of `omrl init-model` and one of
@@ -21,9 +25,10 @@ back first with malloc_trim, gradients dropped); on CUDA `torch.cuda.max_memory_
 after `reset_peak_memory_stats`, over `memory_allocated` before. Its ratio is baseline /
 system, so above 1 the system uses less. The points also hold the median seconds of the
 Trainer's named sections (learner/time/proximal, forward, backward, optimizer): where its step
-goes. On CUDA, both compute under bf16 autocast with fp32 weights, and MFU = 6 * params * tokens/s / the device's peak dense
-bf16 FLOP/s (PEAK_FLOPS); the sections are then host time, the Trainer's timer does not
-synchronize. torch keeps its default intra-op threads (all cores; `omrl run`'s learner uses
+goes (for `default`, the arm with a proximal pass). On CUDA, all compute under bf16 autocast
+with fp32 weights, and MFU = 6 * params * tokens/s / the device's peak dense bf16 FLOP/s
+(PEAK_FLOPS); the sections are then host time, the Trainer's timer does not synchronize.
+torch keeps its default intra-op threads (all cores; `omrl run`'s learner uses
 learner.threads, 1 by default)."""
 
 from __future__ import annotations
@@ -197,7 +202,8 @@ def measure_model(label: str, model_dir, shape: Shape, device: str, repeats: int
     dev = torch.device(device)
     # Both keep fp32 weights and AdamW state; on CUDA both compute under bf16 autocast.
     cfg = LearnerConfig(device=device, precision="bf16" if device == "cuda" else "fp32")
-    trainer = Trainer(load_causal_lm(str(model_dir), "float32"), cfg)
+    trainer = Trainer(load_causal_lm(str(model_dir), "float32"), LearnerConfig(**{**cfg.model_dump(), "minibatches": 1}))
+    default = Trainer(load_causal_lm(str(model_dir), "float32"), cfg)  # the trust region: proximal pass, minibatches
     plain = load_causal_lm(str(model_dir), "float32").to(dev).train()
     optimizer = torch.optim.AdamW(plain.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     autocast = lambda: torch.autocast(device, dtype=torch.bfloat16, enabled=device == "cuda")  # noqa: E731
@@ -209,7 +215,7 @@ def measure_model(label: str, model_dir, shape: Shape, device: str, repeats: int
     tokens = sum(int(b.attention_mask.sum()) for b in batches)  # non-pad tokens per repetition
     meter = PeakCuda if device == "cuda" else PeakRss
     sync = torch.cuda.synchronize if device == "cuda" else lambda: None  # before every clock read
-    memory: dict[str, list[float]] = {"system": [], "baseline": []}
+    memory: dict[str, list[float]] = {"system": [], "baseline": [], "default": []}
     sections: dict[str, list[float]] = {name: [] for name in SECTIONS}
 
     def repetition(kind: str, model, batches, step) -> float:
@@ -224,21 +230,24 @@ def measure_model(label: str, model_dir, shape: Shape, device: str, repeats: int
         memory[kind].append(max(peak.increase, 4096) / 1e6)  # a page at least: a ratio needs no zero
         return tokens / elapsed
 
-    def system_step(batch) -> None:
-        metrics = trainer.train_step(batch)
+    def default_step(batch) -> None:
+        metrics = default.train_step(batch)
         for name in SECTIONS:
             sections[name].append(metrics.get(f"learner/time/{name}_s", 0.0))  # optimizer: absent on a skipped step
 
     trainer.train_step(batches[0])  # warm-up: allocator, AdamW state, kernels
+    default.train_step(batches[0])
     baseline_step(plain, optimizer, on_device[0], autocast)
-    runs = alternate({"system": lambda: repetition("system", trainer.model, batches, system_step),
+    runs = alternate({"system": lambda: repetition("system", trainer.model, batches, trainer.train_step),
                       "baseline": lambda: repetition("baseline", plain, on_device,
-                                                     lambda b: baseline_step(plain, optimizer, b, autocast))},
+                                                     lambda b: baseline_step(plain, optimizer, b, autocast)),
+                      "default": lambda: repetition("default", default.model, batches, default_step)},
                      repeats)
-    return summarize(label, shape, batches, plain, runs, memory, sections, trainer.skipped_nonfinite, device)
+    skipped = trainer.skipped_nonfinite + default.skipped_nonfinite
+    return summarize(label, shape, batches, plain, runs, memory, sections, skipped, device, cfg.minibatches)
 
 
-def summarize(label, shape, batches, model, runs, memory, sections, skipped, device) -> dict:
+def summarize(label, shape, batches, model, runs, memory, sections, skipped, device, minibatches) -> dict:
     params = sum(p.numel() for p in model.parameters())
     flops = peak_flops(device)
     mfu = {k: 6 * params * statistics.median(v) / flops if flops else None for k, v in runs.items()}
@@ -252,9 +261,11 @@ def summarize(label, shape, batches, model, runs, memory, sections, skipped, dev
                        "trained_tokens": [b.num_trained_tokens for b in batches]},
              "tokens_per_s": {k: spread(v) for k, v in runs.items()},
              "ratio_tokens_per_s": ratios(runs["system"], runs["baseline"]),
+             "default_minibatches": minibatches,
+             "ratio_default_tokens_per_s": ratios(runs["default"], runs["system"]),
              "peak_mb": {k: spread(v) for k, v in memory.items()},
              "ratio_peak_mb": ratios(memory["baseline"], memory["system"]),
-             "system_time_s": {name: statistics.median(v) for name, v in sections.items()},
+             "default_time_s": {name: statistics.median(v) for name, v in sections.items()},
              "mfu": mfu, "peak_flops": flops, "skipped_nonfinite": skipped, "runs": runs, "memory_runs": memory}
     report(point)
     return point
@@ -262,12 +273,12 @@ def summarize(label, shape, batches, model, runs, memory, sections, skipped, dev
 
 def report(p: dict) -> None:
     """One progress line per model."""
-    figures = {k: f"system {p[k]['system']['median']:.0f}, plain {p[k]['baseline']['median']:.0f}"
-               for k in ("tokens_per_s", "peak_mb")}
-    split = ", ".join(f"{k} {v:.3f}" for k, v in p["system_time_s"].items())
+    figures = {k: f"system {p[k]['system']['median']:.0f}, plain {p[k]['baseline']['median']:.0f}, "
+                  f"default {p[k]['default']['median']:.0f}" for k in ("tokens_per_s", "peak_mb")}
+    split = ", ".join(f"{k} {v:.3f}" for k, v in p["default_time_s"].items())
     mfu = "".join(f", MFU {k} {v:.1%}" for k, v in p["mfu"].items() if v is not None)
     print(f"learner {p['model']:>4} ({p['params'] / 1e6:.1f}M params): tokens/s {figures['tokens_per_s']}; "
-          f"peak MB {figures['peak_mb']}; system step s: {split}{mfu}", flush=True)
+          f"peak MB {figures['peak_mb']}; default step s: {split}{mfu}", flush=True)
 
 
 def run(quick: bool, device: str = "cpu") -> dict:
@@ -289,6 +300,8 @@ def run(quick: bool, device: str = "cpu") -> dict:
         rows.append({"measure": f"{name}: peak step MB (lower is better; ratio is baseline / system)",
                      "system": p["peak_mb"]["system"]["median"], "baseline": p["peak_mb"]["baseline"]["median"],
                      "ratio": p["ratio_peak_mb"]})
+        rows.append(row(f"{name}: tokens/s of the default trust region ({p['default_minibatches']} updates a batch after a "
+                        "proximal pass) over one update", p["runs"]["default"], p["runs"]["system"]))
     return {"points": points, "rows": rows, "threads": torch.get_num_threads()}
 
 
@@ -301,8 +314,8 @@ def plot(result: dict, path) -> None:
         for key, title in (("tokens_per_s", "tokens/s (higher is better)"),
                            ("peak_mb", "peak step MB (lower is better)")):
             ax = axes[f"{key} {p['model']}"]
-            values = [p[key][kind]["median"] for kind in ("system", "baseline")]
-            bars = ax.bar(["Trainer", "plain loop"], values, color=["C0", "C1"])
+            values = [p[key][kind]["median"] for kind in ("system", "baseline", "default")]
+            bars = ax.bar(["Trainer,\n1 update", "plain loop", "Trainer,\ndefault"], values, color=["C0", "C1", "C2"])
             ax.bar_label(bars, fmt="%.0f", fontsize=8)
             ax.set_title(f"{p['model']}: {title}", fontsize=9)
             ax.grid(alpha=0.3, axis="y")
@@ -316,14 +329,14 @@ def plot_split(ax, points: list[dict]) -> None:
     """Stacked bars: each section's share of the Trainer's step, labelled with its seconds."""
     y, left = np.arange(len(points)), np.zeros(len(points))
     for name in SECTIONS:
-        seconds = np.array([p["system_time_s"][name] for p in points])
-        share = 100 * seconds / np.maximum([sum(p["system_time_s"].values()) for p in points], 1e-12)
+        seconds = np.array([p["default_time_s"][name] for p in points])
+        share = 100 * seconds / np.maximum([sum(p["default_time_s"].values()) for p in points], 1e-12)
         ax.barh(y, share, left=left, label=name)
         for i, (s, w) in enumerate(zip(seconds, share)):
             if w > 8:
                 ax.text(left[i] + w / 2, i, f"{s:.2f}s", ha="center", va="center", fontsize=8)
         left += share
     ax.set_yticks(y, [p["model"] for p in points])
-    ax.set_xlabel("% of the Trainer's step (labels: median seconds per step)")
+    ax.set_xlabel("% of the default Trainer's step (labels: median seconds per step)")
     ax.set_title("where the Trainer's step goes", fontsize=9)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.15), ncol=4)

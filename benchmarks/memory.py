@@ -8,7 +8,9 @@ the full fp32 logits of 64 sequences of 2048 tokens take 80 GB; the learner comp
 the generated tokens' rows, in chunks (`learner/scoring.py`).
 
 One `Trainer.train_step` per point on 64 sequences and on 16 (the baseline) of the same
-length, half of each sample generated, at each micro-batch budget; the ratio is baseline /
+length, half of each sample generated, at each micro-batch budget, at one update per batch
+(`learner.minibatches = 1`: with the default four, a minibatch of the 16 sequences holds 8,192
+tokens, below the larger budgets, and the comparison would be of two budgets); the ratio is baseline /
 system, so about 1.0 means four times the batch costs no more memory. Peak memory is what
 the step adds over the memory held before it (weights, AdamW state): on CUDA
 `max_memory_allocated` after `reset_peak_memory_stats`, on CPU the peak RSS (as in
@@ -60,7 +62,7 @@ def measure(model_dir: str, device: str, length: int, budget: int, checkpointing
     from learner.trainer import Trainer
 
     cfg = LearnerConfig(device=device, precision="bf16" if device == "cuda" else "fp32",
-                        max_tokens_per_microbatch=budget, gradient_checkpointing=checkpointing)
+                        max_tokens_per_microbatch=budget, gradient_checkpointing=checkpointing, minibatches=1)
     trainer = Trainer(load_causal_lm(model_dir, "float32"), cfg)
     rng = np.random.default_rng(0)
     vocab = trainer.model.config.vocab_size

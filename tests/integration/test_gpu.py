@@ -101,3 +101,25 @@ def test_sft_trains_on_the_gpu_in_bf16(wide_model):
     first = trainer.step(examples)
     assert first["sft/grad_norm"] > 0 and trainer.evaluate(examples) < first["sft/loss"]
     assert all(t.device.type == "cpu" for t in trainer.state_dict().values())  # what save_pretrained and vLLM take
+
+
+def test_a_background_checkpoint_copies_what_the_gpu_had_queued_before_it(tmp_path):
+    """The checkpoint's copy of CUDA tensors runs on a stream of its own: it must start after
+    the work the caller's stream queued before `save_shards` (not before it lands), and must
+    not see what the caller does once `copied` is done."""
+    import torch.distributed.checkpoint as dcp
+
+    from learner.checkpoint import save_shards
+
+    weight = torch.zeros(4096, 4096, device="cuda")
+    slow = torch.randn(4096, 4096, device="cuda")
+    for _ in range(20):  # tens of milliseconds queued ahead of the fill below
+        slow = slow @ slow / 64
+    weight.fill_(1.0).add_(slow.sum().nan_to_num() * 0)  # lands only after the matmuls
+    copied, written = save_shards({"model": {"weight": weight}}, tmp_path, None, background=True)
+    copied.result(timeout=60)
+    weight.add_(5.0)  # after the copy: must not reach the checkpoint
+    written.result(timeout=60)
+    loaded = {"model": {"weight": torch.empty(4096, 4096)}}
+    dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)
+    assert torch.equal(loaded["model"]["weight"], torch.ones(4096, 4096))

@@ -145,7 +145,7 @@ def test_tied_output_layer_is_published_once_in_a_file_safetensors_reads(tmp_pat
     assert trainer.save_weights(path, torch.bfloat16) == path.stat().st_size  # written a tensor at a time
     weights = load_file(path)  # safetensors checks the header's offsets against the file
     assert "lm_head.weight" not in weights and "model.embed_tokens.weight" in weights
-    state = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    state = {k: v.cpu().to(torch.bfloat16) for k, v in model.state_dict().items() if k != "lm_head.weight"}  # on a GPU too
     assert weights.keys() == state.keys() and all(torch.equal(weights[k], state[k]) for k in state)
     with safe_open(str(path), "pt") as f:
         assert f.metadata() == {"format": "pt"}  # transformers refuses a file without it
@@ -189,7 +189,7 @@ def test_a_checkpoint_written_in_the_background_holds_its_step_while_training_go
     assert moved, "the step changed no weight: the checks below could not fail"
     saved = read_model(path)
     assert saved.keys() == taken[0].keys() - {"lm.lm_head.weight"}  # the tied output layer once
-    assert all(torch.equal(v, taken[0][k]) for k, v in saved.items())
+    assert all(torch.equal(v, taken[0][k].cpu()) for k, v in saved.items())  # read to the CPU, also on a GPU
     resumed = Trainer(model(), LearnerConfig(lr=1e-2))
     resumed.load_checkpoint(path)
     assert all(torch.equal(v, taken[0][k]) for k, v in resumed.scorer.state_dict().items())
