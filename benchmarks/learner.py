@@ -11,7 +11,9 @@ is what the trust region costs a step.
 
 Two Qwen2-architecture models with the 86-symbol character tokenizer, built here and loaded
 through `load_causal_lm` (from_pretrained): the tiny model of `omrl init-model` and one of
-about 100M parameters (hidden 768, 17 layers, 12 heads, MLP 1536). Batches are collated once
+about 100M parameters (hidden 768, 17 layers, 12 heads, MLP 1536); on CUDA a third with
+Qwen2.5-0.5B's layers (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864: 0.36B parameters
+with this vocabulary). Batches are collated once
 by `learner.batch.collate` from synthetic rollout groups of G=8 samples whose lengths vary,
 the second half of each sample generated, binary rewards that differ within every group, and
 behaviour log-probs within about 0.05 of the model's own.
@@ -49,6 +51,8 @@ from benchmarks.common import alternate, pyplot, ratios, row, spread
 
 G = 8  # samples per rollout group
 MODELS = {"tiny": {}, "100M": {"hidden": 768, "layers": 17, "heads": 12}}  # init_tiny_model's arguments
+# On CUDA only: Qwen2.5-0.5B's body (its layers, widths and grouped KV heads) on the character vocabulary.
+CUDA_MODELS = {"0.5B-body": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864}}
 SECTIONS = ("proximal", "forward", "backward", "optimizer")
 # Peak dense bf16 FLOP/s by device name, first match wins (NVIDIA data sheets, no sparsity).
 PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("L40S", 362e12),
@@ -64,7 +68,7 @@ class Shape:
 
 
 SHAPES = {"cpu": {"tiny": Shape(8, 256, 2), "100M": Shape(1, 192, 2)},
-          "cuda": {"tiny": Shape(8, 512, 8), "100M": Shape(8, 512, 8)}}
+          "cuda": {"tiny": Shape(8, 512, 8), "100M": Shape(8, 512, 8), "0.5B-body": Shape(8, 512, 8)}}
 QUICK_SHAPE = Shape(1, 64, 2)
 
 
@@ -286,7 +290,7 @@ def run(quick: bool, device: str = "cpu") -> dict:
 
     from common.models import init_tiny_model
 
-    models = {"tiny": MODELS["tiny"]} if quick else MODELS
+    models = {"tiny": MODELS["tiny"]} if quick else {**MODELS, **(CUDA_MODELS if device == "cuda" else {})}
     points = []
     with tempfile.TemporaryDirectory(prefix="omrl-bench-learner-") as tmp:
         for label, arguments in models.items():
