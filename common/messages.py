@@ -1,17 +1,27 @@
 """The rollout-group message and its msgpack codec.
 
-One wire format, msgpack, never pickle. Arrays travel as ``[dtype, length, bytes]`` with
-little-endian raw bytes and are decoded with ``np.frombuffer`` (no copy beyond msgpack's
-own). Every message carries ``kind`` and ``schema_version``; decoding checks both, checks
-every array's byte length against its declared length, checks that the per-token arrays
-of a sample agree, and refuses payloads over a size limit before unpacking them.
+One wire format, msgpack, never pickle. A group travels as columns: each per-token array of
+every sample concatenated into one array (with the samples' lengths beside them), each
+per-sample number in one array, each per-sample string or map in one list. Arrays travel as
+``[dtype, length, bytes]`` with little-endian raw bytes and are decoded with
+``np.frombuffer`` (no copy beyond msgpack's own); a sample's arrays are views into its
+group's columns. So a group costs a fixed number of array operations whatever its sample
+count and length: no per-token and little per-sample Python work on either side.
+
+Every message carries ``kind`` and ``schema_version``; decoding checks both, checks every
+array's dtype and byte length against its declared length, checks that the columns agree
+with the samples' lengths and counts, checks the values (masks 0 or 1, no NaN or infinite
+log-prob or reward) once per column, names the sample a failed check points to, and refuses
+payloads over a size limit before unpacking them.
 
 This module imports neither torch nor vLLM so every process can import it cheaply.
 """
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import math
 import time
 import uuid
@@ -21,7 +31,7 @@ import msgpack
 import numpy as np
 
 KIND_ROLLOUT_GROUP = "rollout_group"
-SCHEMA_VERSION = 3  # 2: samples carry success and invalid_actions; 3: turn_states
+SCHEMA_VERSION = 4  # 2: samples carry success and invalid_actions; 3: turn_states; 4: samples as columns
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 
 # Per-token arrays of a sample, with the dtype they travel as.
@@ -31,7 +41,20 @@ TOKEN_ARRAYS: dict[str, np.dtype] = {
     "logprobs": np.dtype("<f4"),
     "versions": np.dtype("<i4"),
 }
-ALLOWED_DTYPES = {dt.str for dt in TOKEN_ARRAYS.values()} | {np.dtype("<f4").str}
+# Per-sample fields, one list each over the group's samples, with the type of its items
+# (msgpack decodes a list of a few numbers faster than numpy reads a few bytes).
+SAMPLE_LISTS: dict[str, frozenset[type]] = {name: frozenset(types) for name, types in {
+    "lengths": (int,),  # tokens of each sample
+    "num_turns": (int,),  # turn rewards of each sample
+    "reward": (float, int),
+    "success": (bool,),
+    "invalid_actions": (int,),
+    "finish_reason": (str,),
+    "task_id": (str,),
+    "env_name": (str,),
+    "turn_states": (list,),
+    "timing": (dict,),
+}.items()}
 
 
 class CodecError(ValueError):
@@ -105,30 +128,28 @@ class RolloutGroup:
 
 
 def _pack_array(array: np.ndarray, dtype: np.dtype) -> list[Any]:
-    array = np.ascontiguousarray(array, dtype=dtype)
-    if array.ndim != 1:
-        raise CodecError(f"arrays must be 1-D, got shape {array.shape}")
-    return [dtype.str, int(array.shape[0]), array.tobytes()]
+    return [dtype.str, int(array.shape[0]), array.astype(dtype, copy=False).tobytes()]
 
 
-def _sample_to_dict(sample: Sample) -> dict[str, Any]:
-    out: dict[str, Any] = {name: _pack_array(getattr(sample, name), dt) for name, dt in TOKEN_ARRAYS.items()}
-    out["turn_rewards"] = _pack_array(sample.turn_rewards, np.dtype("<f4"))
-    out.update(
-        reward=float(sample.reward),
-        num_turns=int(sample.num_turns),
-        finish_reason=sample.finish_reason,
-        task_id=sample.task_id,
-        env_name=sample.env_name,
-        success=bool(sample.success),
-        invalid_actions=int(sample.invalid_actions),
-        turn_states=[str(k) for k in sample.turn_states],
-        timing={k: float(v) for k, v in sample.timing.items()},
-    )
-    return out
+def _column(samples: list[Sample], name: str, dtype: np.dtype) -> list[Any]:
+    """One field of every sample, concatenated, as a packed array."""
+    try:
+        column = np.concatenate([getattr(s, name) for s in samples])
+    except ValueError as exc:  # a 0-d array, or arrays of different ranks
+        raise CodecError(f"samples' {name}: {exc}") from None
+    if column.ndim != 1:
+        raise CodecError(f"samples' {name}: arrays must be 1-D, got {column.ndim}-D")
+    return _pack_array(column, dtype)
 
 
 def encode_group(group: RolloutGroup, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
+    samples = group.samples
+    lengths = [len(s.tokens) for s in samples]
+    for i, (s, n) in enumerate(zip(samples, lengths)):
+        if not len(s.loss_mask) == len(s.logprobs) == len(s.versions) == n:
+            raise CodecError(f"samples[{i}]: per-token arrays disagree in length: tokens {n}, loss_mask "
+                             f"{len(s.loss_mask)}, logprobs {len(s.logprobs)}, versions {len(s.versions)}")
+    columns: dict[str, Any] = {}
     payload = {
         "kind": KIND_ROLLOUT_GROUP,
         "schema_version": SCHEMA_VERSION,
@@ -138,9 +159,26 @@ def encode_group(group: RolloutGroup, max_bytes: int = DEFAULT_MAX_BYTES) -> byt
         "actor_id": group.actor_id,
         "created_at": float(group.created_at),
         "sampling": group.sampling,
-        "samples": [_sample_to_dict(s) for s in group.samples],
+        "samples": columns,
     }
-    data = msgpack.packb(payload, use_bin_type=True)
+    columns.update({name: _column(samples, name, dt) for name, dt in TOKEN_ARRAYS.items()})
+    columns.update({
+        "turn_rewards": _column(samples, "turn_rewards", np.dtype("<f4")),
+        "lengths": lengths,
+        "num_turns": [int(s.num_turns) for s in samples],
+        "reward": [float(s.reward) for s in samples],
+        "success": [bool(s.success) for s in samples],
+        "invalid_actions": [int(s.invalid_actions) for s in samples],
+        "finish_reason": [s.finish_reason for s in samples],
+        "task_id": [s.task_id for s in samples],
+        "env_name": [s.env_name for s in samples],
+        "turn_states": [[str(k) for k in s.turn_states] for s in samples],
+        "timing": [{k: float(v) for k, v in s.timing.items()} for s in samples],
+    })
+    try:
+        data = msgpack.packb(payload, use_bin_type=True)
+    except TypeError as exc:  # a field of a type msgpack has no encoding for
+        raise CodecError(f"group: {exc}") from None
     if len(data) > max_bytes:
         raise CodecError(f"encoded group is {len(data)} bytes, over the limit of {max_bytes} bytes", "oversize")
     return data
@@ -164,61 +202,34 @@ def _field(obj: dict[str, Any], name: str, types: tuple[type, ...], where: str) 
     return value
 
 
-def _unpack_array(value: Any, expected: np.dtype, where: str) -> np.ndarray:
-    if not (isinstance(value, (list, tuple)) and len(value) == 3):
-        raise CodecError(f"{where}: expected [dtype, length, bytes]")
-    dtype_str, length, data = value
+def _unpack_array(cols: dict[str, Any], name: str, expected: np.dtype) -> np.ndarray:
+    """The packed column cols[name], checked against its dtype and byte length."""
+    value = _field(cols, name, (list,), "samples")
+    if len(value) != 3:
+        raise CodecError(f"samples.{name}: expected [dtype, length, bytes]")
+    dtype_str, n, data = value
     if dtype_str != expected.str:
-        raise CodecError(f"{where}: dtype {dtype_str!r}, expected {expected.str!r}")
-    if not isinstance(length, int) or length < 0:
-        raise CodecError(f"{where}: bad length {length!r}")
-    if not isinstance(data, bytes):
-        raise CodecError(f"{where}: data is {type(data).__name__}, expected bytes")
-    if len(data) != length * expected.itemsize:
-        raise CodecError(
-            f"{where}: {len(data)} bytes for {length} items of {expected.str} "
-            f"(expected {length * expected.itemsize}): truncated or garbled array"
-        )
+        raise CodecError(f"samples.{name}: dtype {dtype_str!r}, expected {expected.str!r}")
+    if type(n) is not int or n < 0:
+        raise CodecError(f"samples.{name}: bad length {n!r}")
+    if type(data) is not bytes:
+        raise CodecError(f"samples.{name}: data is {type(data).__name__}, expected bytes")
+    if len(data) != n * expected.itemsize:
+        raise CodecError(f"samples.{name}: {len(data)} bytes for {n} items of {expected.str} "
+                         f"(expected {n * expected.itemsize}): truncated or garbled array")
     return np.frombuffer(data, dtype=expected)
 
 
-def _decode_sample(obj: Any, where: str) -> Sample:
-    if not isinstance(obj, dict):
-        raise CodecError(f"{where}: expected a map")
-    arrays = {name: _unpack_array(_field(obj, name, (list, tuple), where), dt, f"{where}.{name}")
-              for name, dt in TOKEN_ARRAYS.items()}
-    if len({a.shape[0] for a in arrays.values()}) != 1:
-        lengths = {name: a.shape[0] for name, a in arrays.items()}
-        raise CodecError(f"{where}: per-token arrays disagree in length: {lengths}")
-    if arrays["loss_mask"].size and arrays["loss_mask"].max() > 1:
-        raise CodecError(f"{where}.loss_mask: values must be 0 or 1")
-    turn_rewards = _unpack_array(_field(obj, "turn_rewards", (list, tuple), where), np.dtype("<f4"),
-                                 f"{where}.turn_rewards")
-    num_turns = _field(obj, "num_turns", (int,), where)
-    if num_turns != turn_rewards.shape[0]:
-        raise CodecError(f"{where}: num_turns={num_turns} but {turn_rewards.shape[0]} turn rewards")
-    reward = float(_field(obj, "reward", (int, float), where))
-    turn_states = _field(obj, "turn_states", (list,), where)
-    if turn_states and (len(turn_states) != num_turns or not all(type(k) is str for k in turn_states)):
-        raise CodecError(f"{where}.turn_states: expected {num_turns} strings (one per turn) or none")
-    # Bad numbers never reach the weights: a NaN or infinite log-prob or reward poisons a step.
-    for name, finite in (("logprobs", np.isfinite(arrays["logprobs"]).all()),
-                         ("turn_rewards", np.isfinite(turn_rewards).all()), ("reward", math.isfinite(reward))):
-        if not finite:
-            raise CodecError(f"{where}.{name}: not finite (NaN or infinite values)")
-    return Sample(
-        **arrays,
-        reward=reward,
-        turn_rewards=turn_rewards,
-        num_turns=num_turns,
-        finish_reason=_field(obj, "finish_reason", (str,), where),
-        task_id=_field(obj, "task_id", (str,), where),
-        env_name=_field(obj, "env_name", (str,), where),
-        success=_field(obj, "success", (bool,), where),
-        invalid_actions=_field(obj, "invalid_actions", (int,), where),
-        turn_states=turn_states,
-        timing=dict(_field(obj, "timing", (dict,), where)),
-    )
+def _first_bad(ok: np.ndarray, starts: list[int]) -> int:
+    """The sample whose slice of a column (samples' slices begin at `starts`) holds the first
+    item `ok` flags False."""
+    return bisect.bisect_right(starts, int(np.argmin(ok))) - 1
+
+
+def _finite(column: np.ndarray) -> bool:
+    """No NaN or infinity in a float32 column: one reduction (a float64 sum of float32 values
+    cannot overflow, and any NaN or infinity makes it NaN or infinite)."""
+    return math.isfinite(column.sum(dtype=np.float64))
 
 
 def decode_group(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -> RolloutGroup:
@@ -238,9 +249,59 @@ def decode_group(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -
     version = obj.get("schema_version")
     if version != SCHEMA_VERSION:
         raise CodecError(f"schema_version is {version!r}, this code reads {SCHEMA_VERSION}", "schema_version")
-    samples = _field(obj, "samples", (list,), "group")
-    if not samples:
+
+    cols = _field(obj, "samples", (dict,), "group")
+    per_sample = {name: _field(cols, name, (list,), "samples") for name in SAMPLE_LISTS}
+    count = len(per_sample["lengths"])
+    if not count:
         raise CodecError("group: no samples")
+    for name, types in SAMPLE_LISTS.items():
+        values = per_sample[name]
+        if len(values) != count:
+            raise CodecError(f"samples.{name}: {len(values)} items for {count} samples")
+        if not types.issuperset(map(type, values)):  # exact types, as _field checks them
+            i = next(i for i, v in enumerate(values) if type(v) not in types)
+            raise CodecError(f"samples[{i}].{name}: has type {type(values[i]).__name__}, expected "
+                             f"{' or '.join(t.__name__ for t in types)}")
+    lengths, num_turns = per_sample["lengths"], per_sample["num_turns"]
+    for name, counts in (("lengths", lengths), ("num_turns", num_turns)):
+        if min(counts) < 0:
+            raise CodecError(f"samples[{counts.index(min(counts))}].{name}: negative")
+    for i, reward in enumerate(per_sample["reward"]):
+        if not math.isfinite(reward):
+            raise CodecError(f"samples[{i}].reward: not finite (NaN or infinite values)")
+    for i, states in enumerate(per_sample["turn_states"]):
+        if states and (len(states) != num_turns[i] or not all(type(k) is str for k in states)):
+            raise CodecError(f"samples[{i}].turn_states: expected {num_turns[i]} strings (one per turn) or none")
+
+    starts, turn_starts = [0, *itertools.accumulate(lengths)], [0, *itertools.accumulate(num_turns)]
+    columns = {name: _unpack_array(cols, name, dt) for name, dt in TOKEN_ARRAYS.items()}
+    sizes = {name: len(c) for name, c in columns.items()}
+    if any(n != starts[-1] for n in sizes.values()):
+        raise CodecError(f"samples: per-token arrays disagree in length: {sizes}, the samples' lengths add up to "
+                         f"{starts[-1]}")
+    turn_rewards = _unpack_array(cols, "turn_rewards", np.dtype("<f4"))
+    if len(turn_rewards) != turn_starts[-1]:
+        raise CodecError(f"samples.turn_rewards: {len(turn_rewards)} values, the samples' num_turns add up to "
+                         f"{turn_starts[-1]}")
+    tokens, loss_mask, logprobs, versions = (columns[name] for name in TOKEN_ARRAYS)
+    # Bad numbers never reach the weights: a NaN or infinite log-prob or reward poisons a step.
+    if len(loss_mask) and loss_mask.max() > 1:
+        raise CodecError(f"samples[{_first_bad(loss_mask <= 1, starts)}].loss_mask: values must be 0 or 1")
+    for name, column, at in (("logprobs", logprobs, starts), ("turn_rewards", turn_rewards, turn_starts)):
+        if not _finite(column):
+            raise CodecError(f"samples[{_first_bad(np.isfinite(column), at)}].{name}: "
+                             "not finite (NaN or infinite values)")
+
+    samples = [
+        Sample(tokens=tokens[a:b], loss_mask=loss_mask[a:b], logprobs=logprobs[a:b], versions=versions[a:b],
+               reward=float(reward), turn_rewards=turn_rewards[ta:tb], num_turns=turns, finish_reason=finish,
+               task_id=task, env_name=env, success=success, invalid_actions=invalid, turn_states=states,
+               timing=timing)
+        for a, b, ta, tb, turns, reward, success, invalid, finish, task, env, states, timing in zip(
+            starts, starts[1:], turn_starts, turn_starts[1:], num_turns, *map(per_sample.get, (
+                "reward", "success", "invalid_actions", "finish_reason", "task_id", "env_name", "turn_states", "timing")))
+    ]
     return RolloutGroup(
         group_id=_field(obj, "group_id", (str,), "group"),
         task_id=_field(obj, "task_id", (str,), "group"),
@@ -248,5 +309,5 @@ def decode_group(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -
         actor_id=_field(obj, "actor_id", (str,), "group"),
         created_at=float(_field(obj, "created_at", (int, float), "group")),
         sampling=dict(_field(obj, "sampling", (dict,), "group")),
-        samples=[_decode_sample(s, f"samples[{i}]") for i, s in enumerate(samples)],
+        samples=samples,
     )

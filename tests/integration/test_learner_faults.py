@@ -36,7 +36,7 @@ def garbage_payloads() -> dict[str, bytes]:
     wrong_kind = dict(good, kind="weights")
     wrong_version = dict(good, schema_version=999)
     truncated = msgpack.unpackb(encode_group(synthetic_group(np.random.default_rng(10))), raw=False)
-    truncated["samples"][0]["tokens"][2] = truncated["samples"][0]["tokens"][2][:-3]
+    truncated["samples"]["tokens"][2] = truncated["samples"]["tokens"][2][:-3]
     return {"undecodable": b"\x00\xffgarbage bytes",
             "kind": msgpack.packb(wrong_kind, use_bin_type=True),
             "schema_version": msgpack.packb(wrong_version, use_bin_type=True),

@@ -38,9 +38,27 @@ def test_round_trip_keeps_every_field():
 
 
 def test_arrays_are_views_over_the_message_bytes():
+    """A sample's arrays are slices of its group's columns, which are read over the message's bytes."""
     out = decode_group(encode_group(make_group()))
-    tokens = out.samples[0].tokens
-    assert not tokens.flags.owndata and isinstance(tokens.base, bytes)
+    for name in ("tokens", "loss_mask", "logprobs", "versions", "turn_rewards"):
+        column = getattr(out.samples[0], name).base
+        assert column is getattr(out.samples[2], name).base and isinstance(column.base, bytes), name
+
+
+def test_samples_of_any_length_come_back_whole():
+    """Samples of no tokens and no turns between others: the column offsets stay aligned."""
+    group = make_group()
+    empty = make_sample(n_prompt=0, n_gen=0)
+    empty.turn_rewards, empty.num_turns, empty.turn_states = np.zeros(0, np.float32), 0, []
+    group.samples = [empty, *group.samples, empty, make_sample(n_prompt=300, n_gen=700)]
+    group.samples[1].turn_states, group.samples[1].success, group.samples[1].invalid_actions = ["s0"], True, 2
+    out = decode_group(encode_group(group))
+    assert [len(s.tokens) for s in out.samples] == [0, 8, 8, 8, 0, 1000]
+    for a, b in zip(group.samples, out.samples):
+        for name in ("tokens", "loss_mask", "logprobs", "versions", "turn_rewards"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name))
+        assert (b.num_turns, b.turn_states, b.success, b.invalid_actions) == \
+            (a.num_turns, a.turn_states, a.success, a.invalid_actions)
 
 
 def test_truncated_message_is_refused():
@@ -70,14 +88,25 @@ def _tamper(mutate) -> bytes:
     return msgpack.packb(obj, use_bin_type=True)
 
 
+def _set(column: str, index, value):
+    return lambda o: o["samples"][column].__setitem__(index, value)
+
+
 @pytest.mark.parametrize("mutate, message", [
     (lambda o: o.update(kind="weights"), "kind is 'weights'"),
     (lambda o: o.update(schema_version=99), "schema_version is 99"),
-    (lambda o: o["samples"][1]["tokens"].__setitem__(2, o["samples"][1]["tokens"][2][:-4]), "samples\\[1\\].tokens: 28 bytes for 8 items"),
-    (lambda o: o["samples"][0]["logprobs"].__setitem__(0, "<f8"), "dtype '<f8'"),
-    (lambda o: o["samples"][0].pop("reward"), "missing field 'reward'"),
-    (lambda o: o["samples"][0].update(num_turns=3), "num_turns=3 but 1 turn rewards"),
-    (lambda o: o.update(samples=[]), "no samples"),
+    (lambda o: _set("tokens", 2, o["samples"]["tokens"][2][:-4])(o), "samples.tokens: 92 bytes for 24 items"),
+    (_set("logprobs", 0, "<f8"), "samples.logprobs: dtype '<f8'"),
+    (lambda o: o["samples"].pop("reward"), "samples: missing field 'reward'"),
+    (_set("num_turns", 0, 3), "samples.turn_rewards: 3 values, the samples' num_turns add up to 5"),
+    (_set("lengths", 1, -8), "samples\\[1\\].lengths: negative"),
+    (_set("lengths", 1, 9), "per-token arrays disagree in length: .* the samples' lengths add up to 25"),
+    (lambda o: o["samples"].update(lengths=[]), "no samples"),
+    (lambda o: o.update(samples=[]), "field 'samples' has type list"),
+    (lambda o: o["samples"]["finish_reason"].pop(), "samples.finish_reason: 2 items for 3 samples"),
+    (_set("success", 2, 1), "samples\\[2\\].success: has type int, expected bool"),
+    (_set("reward", 1, "0.5"), "samples\\[1\\].reward: has type str"),
+    (_set("turn_states", 2, ["a", "b"]), "samples\\[2\\].turn_states: expected 1 strings"),
     (lambda o: o.update(group_id=5), "field 'group_id' has type int"),
 ])
 def test_invalid_messages_say_what_is_wrong(mutate, message):
@@ -87,10 +116,21 @@ def test_invalid_messages_say_what_is_wrong(mutate, message):
 
 def test_per_token_arrays_must_agree():
     def shorten_mask(o):
-        s = o["samples"][0]
-        s["loss_mask"] = ["|u1", 7, s["loss_mask"][2][:7]]
+        o["samples"]["loss_mask"] = ["|u1", 23, o["samples"]["loss_mask"][2][:23]]
     with pytest.raises(CodecError, match="disagree in length"):
         decode_group(_tamper(shorten_mask))
+    group = make_group()
+    group.samples[1].versions = group.samples[1].versions[:-1]
+    with pytest.raises(CodecError, match="samples\\[1\\]: per-token arrays disagree in length"):
+        encode_group(group)  # refused on the actor's side, naming the sample
+
+
+def test_a_bad_mask_value_names_its_sample():
+    group = make_group()
+    group.samples[2].loss_mask = group.samples[2].loss_mask.copy()
+    group.samples[2].loss_mask[4] = 2
+    with pytest.raises(CodecError, match="samples\\[2\\].loss_mask: values must be 0 or 1"):
+        decode_group(encode_group(group))
 
 
 @pytest.mark.parametrize("field, value", [("logprobs", np.nan), ("logprobs", -np.inf), ("reward", np.nan),
