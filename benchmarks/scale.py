@@ -129,7 +129,7 @@ class SimLearner(threading.Thread):
             self.error = exc
 
     def _run(self) -> None:
-        from broker.admission import wake_waiting
+        from broker.admission import announce_step
         from learner.bridge import BrokerBridge
 
         bridge = BrokerBridge(self.redis_cfg, consumer="learner-0", keep_versions=3, queue_size=2 * B,
@@ -138,8 +138,7 @@ class SimLearner(threading.Thread):
 
         async def publish(step: int):
             await bridge.store.publish(step, step, blob)
-            await bridge.client.hset(bridge.keys.learner_state, mapping={"step": step, "version": step})
-            await wake_waiting(bridge.client, bridge.keys, B, ETA, trained_groups=step * B)
+            await announce_step(bridge.client, bridge.keys, step, step, step * B, B, ETA)  # as the learner does
 
         try:
             bridge.call(lambda: publish(0))

@@ -172,6 +172,15 @@ async def wake_waiting(client, keys: Keys, groups_per_step: int, eta: int, train
                                  (eta + 1) * groups_per_step))
 
 
+async def announce_step(client, keys: Keys, step: int, version: int, trained_groups: int, groups_per_step: int,
+                        eta: int) -> int:
+    """The learner, once version `version` (step `step`'s weights) is published: its state for
+    actors and `omrl status`, then `wake_waiting`. Returns `accepted`."""
+    await client.hset(keys.learner_state, mapping={"step": step, "version": version, "groups_trained": trained_groups,
+                                                   "time": time.time()})
+    return await wake_waiting(client, keys, groups_per_step, eta, trained_groups=trained_groups)
+
+
 async def group_counts(client, keys: Keys) -> dict[str, Any]:
     """The run's accounting: started = produced + failed + held; produced = trained +
     dead-lettered + waiting in the streams (the learner's share is in `learner_state`)."""

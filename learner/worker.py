@@ -30,7 +30,7 @@ import msgpack
 import numpy as np
 import torch
 
-from broker.admission import wake_waiting
+from broker.admission import announce_step
 from broker.weights import STAGING, WeightStore
 from common.config import Config, require_set
 from common.messages import decode_group
@@ -184,10 +184,8 @@ class Learner:
                 await store.announce(record)
             else:
                 await store.publish(version, step, weights)
-            await bridge.client.hset(keys.learner_state, mapping={"step": step, "version": version,
-                                                                  "groups_trained": trained, "time": time.time()})
-            await wake_waiting(bridge.client, keys, self.cfg.learner.groups_per_step, self.cfg.learner.steps_ahead,
-                               trained_groups=trained)
+            await announce_step(bridge.client, keys, step, version, trained, self.cfg.learner.groups_per_step,
+                                self.cfg.learner.steps_ahead)
 
         bridge.call(publish, "publish weights")
 
