@@ -189,7 +189,7 @@ class Actor:
                 await self._before_group()
                 group = await self._run_group(task_idx)
                 data = encode_group(group)
-            except (GroupFailed, CodecError) as exc:  # CodecError: the group is over the size limit
+            except (GroupFailed, CodecError) as exc:  # CodecError: over the size limit, or a sample it refuses
                 await self._fail(ticket, exc.reason, f"group of task {task_idx} failed: {exc}")
                 if exc.reason == "env_unreachable":
                     self.env_up.clear()
