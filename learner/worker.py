@@ -33,7 +33,7 @@ import torch
 from broker.admission import announce_step
 from broker.weights import STAGING, WeightStore
 from common.config import Config, require_set
-from common.messages import decode_group
+from common.messages import RolloutGroup, decode_group
 from common.metrics import JsonlSink
 from common.models import save_policy
 from common.weight_sync import Packed
@@ -69,11 +69,12 @@ class Learner:
                     "checkpoint": self._op_checkpoint, "final": self._op_final}
 
     # -- operations every rank runs together ---------------------------------------------
-    def _all(self, op: str, payload=None):
-        """Rank 0: have every other rank run `op` too, then run it here."""
+    def _all(self, op: str, payload=None, local=None):
+        """Rank 0: have every other rank run `op` too, then run it here (on `local`, if given: the
+        payload as rank 0 already holds it, which the others get as `payload`'s bytes)."""
         if self.parallel.world > 1:
             self.parallel.broadcast_bytes(msgpack.packb({"op": op, "payload": payload}, use_bin_type=True))
-        return self.ops[op](payload)
+        return self.ops[op](payload if local is None else local)
 
     def _follow(self) -> int:
         """Ranks > 0: run what rank 0 says until it says stop."""
@@ -94,9 +95,11 @@ class Learner:
         return read_state(Path(path)) if self.parallel.is_main else None
 
     def _op_train(self, payload: dict) -> tuple[dict, Batch]:
-        """payload: the groups' messages and which of their samples are stale (rank 0 knows it)."""
+        """payload: the groups' messages (rank 0: the groups its intake decoded already) and which
+        of their samples are stale (rank 0 knows it)."""
         lcfg = self.cfg.learner
-        batch = collate([decode_group(d) for d in payload["groups"]], lcfg.algorithm, stale=payload["stale"],
+        groups = [g if isinstance(g, RolloutGroup) else decode_group(g) for g in payload["groups"]]
+        batch = collate(groups, lcfg.algorithm, stale=payload["stale"],
                         gamma=lcfg.gamma, step_weight=lcfg.gigpo_step_weight)
         return self.trainer.train_step(batch), batch
 
@@ -338,7 +341,8 @@ class Learner:
         # In optimizer steps: how many updates the weights that generated a group's oldest token lag behind.
         staleness = np.array([self.state.steps_behind(g.oldest_version()) for g in groups])
         stale = [not self.state.fresh(s.oldest_version()) for g in groups for s in g.samples]
-        metrics, batch = self._all("train", {"groups": [d.data for d in deliveries], "stale": stale})
+        metrics, batch = self._all("train", {"groups": [d.data for d in deliveries], "stale": stale},
+                                   local={"groups": groups, "stale": stale})
         self.state.step += 1
         if self.state.step % lcfg.publish_every == 0:
             self.state.version += 1
