@@ -11,9 +11,10 @@ is what the trust region costs a step.
 
 Two Qwen2-architecture models with the 86-symbol character tokenizer, built here and loaded
 through `load_causal_lm` (from_pretrained): the tiny model of `omrl init-model` and one of
-about 100M parameters (hidden 768, 17 layers, 12 heads, MLP 1536); on CUDA a third with
-Qwen2.5-0.5B's layers (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864: 0.36B parameters
-with this vocabulary). Batches are collated once
+about 100M parameters (hidden 768, 17 layers, 12 heads, MLP 1536); on CUDA also Qwen2.5-0.5B's
+layers (hidden 896, 24 layers, 14 heads, 2 KV heads, MLP 4864: 0.36B parameters with this
+vocabulary) and, on a GPU of 130 GiB or more, Qwen2.5-1.5B's (hidden 1536, 28 layers, 12 heads,
+2 KV heads, MLP 8960: 1.3B parameters). Batches are collated once
 by `learner.batch.collate` from synthetic rollout groups of G=8 samples whose lengths vary,
 the second half of each sample generated, binary rewards that differ within every group, and
 behaviour log-probs within about 0.05 of the model's own.
@@ -29,7 +30,8 @@ system, so above 1 the system uses less. The points also hold the median seconds
 Trainer's named sections (learner/time/proximal, forward, backward, optimizer): where its step
 goes (for `default`, the arm with a proximal pass). On CUDA, all compute under bf16 autocast
 with fp32 weights, and MFU = 6 * params * tokens/s / the device's peak dense bf16 FLOP/s
-(PEAK_FLOPS); the sections are then host time, the Trainer's timer does not synchronize.
+(PEAK_FLOPS; the training FLOPs only: the default arm's proximal forward is work beyond them);
+the sections are then host time, the Trainer's timer does not synchronize.
 torch keeps its default intra-op threads (all cores; `omrl run`'s learner uses
 learner.threads, 1 by default)."""
 
@@ -51,8 +53,11 @@ from benchmarks.common import alternate, pyplot, ratios, row, spread
 
 G = 8  # samples per rollout group
 MODELS = {"tiny": {}, "100M": {"hidden": 768, "layers": 17, "heads": 12}}  # init_tiny_model's arguments
-# On CUDA only: Qwen2.5-0.5B's body (its layers, widths and grouped KV heads) on the character vocabulary.
-CUDA_MODELS = {"0.5B-body": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864}}
+# On CUDA only: Qwen2.5-0.5B's and 1.5B's bodies (their layers, widths and grouped KV heads) on the
+# character vocabulary, each where the GPU has the memory (GiB) its three copies and steps need.
+CUDA_MODELS = {"0.5B-body": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2, "intermediate": 4864},
+               "1.5B-body": {"hidden": 1536, "layers": 28, "heads": 12, "kv_heads": 2, "intermediate": 8960}}
+GPU_GB_NEEDED = {"0.5B-body": 40, "1.5B-body": 130}
 SECTIONS = ("proximal", "forward", "backward", "optimizer")
 # Peak dense bf16 FLOP/s by device name, first match wins (NVIDIA data sheets, no sparsity).
 PEAK_FLOPS = (("H100 PCIe", 756e12), ("H100", 989e12), ("H200", 989e12), ("A100", 312e12), ("L40S", 362e12),
@@ -68,7 +73,8 @@ class Shape:
 
 
 SHAPES = {"cpu": {"tiny": Shape(8, 256, 2), "100M": Shape(1, 192, 2)},
-          "cuda": {"tiny": Shape(8, 512, 8), "100M": Shape(8, 512, 8), "0.5B-body": Shape(8, 512, 8)}}
+          "cuda": {"tiny": Shape(8, 512, 8), "100M": Shape(8, 512, 8), "0.5B-body": Shape(8, 512, 8),
+                   "1.5B-body": Shape(4, 512, 8)}}  # half the batch: the plain loop holds it whole
 QUICK_SHAPE = Shape(1, 64, 2)
 
 
@@ -194,7 +200,7 @@ def peak_flops(device: str) -> float | None:
 
 
 def measure_model(label: str, model_dir, shape: Shape, device: str, repeats: int) -> dict:
-    """Warm-up, then `repeats` alternated repetitions of system and baseline, each one step
+    """Warm-up, then `repeats` alternated repetitions of the three arms, each one step
     per batch: the point for this model."""
     import torch
 
@@ -291,6 +297,12 @@ def run(quick: bool, device: str = "cpu") -> dict:
     from common.models import init_tiny_model
 
     models = {"tiny": MODELS["tiny"]} if quick else {**MODELS, **(CUDA_MODELS if device == "cuda" else {})}
+    if device == "cuda":
+        gpu_gb = torch.cuda.get_device_properties(0).total_memory / 2 ** 30
+        for label in [m for m in models if GPU_GB_NEEDED.get(m, 0) > gpu_gb]:
+            print(f"learner {label}: skipped, needs {GPU_GB_NEEDED[label]} GiB of GPU memory, this GPU has {gpu_gb:.0f}",
+                  flush=True)
+            del models[label]
     points = []
     with tempfile.TemporaryDirectory(prefix="omrl-bench-learner-") as tmp:
         for label, arguments in models.items():

@@ -43,7 +43,7 @@ TOKEN_ARRAYS: dict[str, np.dtype] = {
 }
 # Per-sample fields, one list each over the group's samples, with the type of its items
 # (msgpack decodes a list of a few numbers faster than numpy reads a few bytes).
-SAMPLE_LISTS: dict[str, frozenset[type]] = {name: frozenset(types) for name, types in {
+SAMPLE_TYPES: dict[str, tuple[type, ...]] = {
     "lengths": (int,),  # tokens of each sample
     "num_turns": (int,),  # turn rewards of each sample
     "reward": (float, int),
@@ -54,7 +54,8 @@ SAMPLE_LISTS: dict[str, frozenset[type]] = {name: frozenset(types) for name, typ
     "env_name": (str,),
     "turn_states": (list,),
     "timing": (dict,),
-}.items()}
+}
+SAMPLE_LISTS = {name: frozenset(types) for name, types in SAMPLE_TYPES.items()}  # for the checks
 
 
 class CodecError(ValueError):
@@ -144,11 +145,18 @@ def _column(samples: list[Sample], name: str, dtype: np.dtype) -> list[Any]:
 
 def encode_group(group: RolloutGroup, max_bytes: int = DEFAULT_MAX_BYTES) -> bytes:
     samples = group.samples
-    lengths = [len(s.tokens) for s in samples]
-    for i, (s, n) in enumerate(zip(samples, lengths)):
-        if not len(s.loss_mask) == len(s.logprobs) == len(s.versions) == n:
-            raise CodecError(f"samples[{i}]: per-token arrays disagree in length: tokens {n}, loss_mask "
-                             f"{len(s.loss_mask)}, logprobs {len(s.logprobs)}, versions {len(s.versions)}")
+    lengths = []
+    for i, s in enumerate(samples):  # what the columns cannot say afterwards: which sample is wrong
+        try:
+            n, turns = len(s.tokens), len(s.turn_rewards)
+            if not len(s.loss_mask) == len(s.logprobs) == len(s.versions) == n:
+                raise CodecError(f"samples[{i}]: per-token arrays disagree in length: tokens {n}, loss_mask "
+                                 f"{len(s.loss_mask)}, logprobs {len(s.logprobs)}, versions {len(s.versions)}")
+        except TypeError as exc:  # a scalar where an array belongs
+            raise CodecError(f"samples[{i}]: {exc}: arrays must be 1-D") from None
+        if turns != s.num_turns:
+            raise CodecError(f"samples[{i}]: num_turns={s.num_turns} but {turns} turn rewards")
+        lengths.append(n)
     columns: dict[str, Any] = {}
     payload = {
         "kind": KIND_ROLLOUT_GROUP,
@@ -177,7 +185,7 @@ def encode_group(group: RolloutGroup, max_bytes: int = DEFAULT_MAX_BYTES) -> byt
     })
     try:
         data = msgpack.packb(payload, use_bin_type=True)
-    except TypeError as exc:  # a field of a type msgpack has no encoding for
+    except (TypeError, ValueError, OverflowError) as exc:  # a field msgpack has no encoding for
         raise CodecError(f"group: {exc}") from None
     if len(data) > max_bytes:
         raise CodecError(f"encoded group is {len(data)} bytes, over the limit of {max_bytes} bytes", "oversize")
@@ -262,11 +270,11 @@ def decode_group(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -
         if not types.issuperset(map(type, values)):  # exact types, as _field checks them
             i = next(i for i, v in enumerate(values) if type(v) not in types)
             raise CodecError(f"samples[{i}].{name}: has type {type(values[i]).__name__}, expected "
-                             f"{' or '.join(t.__name__ for t in types)}")
+                             f"{' or '.join(t.__name__ for t in SAMPLE_TYPES[name])}")
     lengths, num_turns = per_sample["lengths"], per_sample["num_turns"]
     for name, counts in (("lengths", lengths), ("num_turns", num_turns)):
         if min(counts) < 0:
-            raise CodecError(f"samples[{counts.index(min(counts))}].{name}: negative")
+            raise CodecError(f"samples[{next(i for i, n in enumerate(counts) if n < 0)}].{name}: negative")
     for i, reward in enumerate(per_sample["reward"]):
         if not math.isfinite(reward):
             raise CodecError(f"samples[{i}].reward: not finite (NaN or infinite values)")

@@ -39,7 +39,7 @@ from learner.algorithms import (
     value_loss,
     vtrace,
 )
-from learner.batch import Batch, MicroBatch, plan
+from learner.batch import Batch, MicroBatch, plan, whole_passes
 from learner.checkpoint import load_shards, save_shards
 from learner.distributed import Single, resolve_device
 from learner.scoring import PolicyScorer
@@ -119,9 +119,13 @@ class Trainer:
         mine = [micro for mb in steps.minibatches for micro in mb[rank]]
         # The proximal policy (the weights before the first update) is the decoupled loss's, and the critic's.
         proximal = (updates > 1 and cfg.loss == "decoupled") or self.critic
+        # This step's own: a batch trained on before (a benchmark's, a test's) must not bring another
+        # step's proximal or reference log-probs into this one.
+        batch.prox_logprobs = batch.old_values = batch.ref_logprobs = None
         if proximal or self.reference is not None:
             with self.timer("proximal"):
-                self._before_update(batch, mine, policy=proximal)
+                passes = whole_passes(steps, batch.lengths, self.parallel.world, cfg.max_tokens_per_microbatch)
+                self._before_update(batch, passes[rank], policy=proximal)
         vtrace_share = self._critic_advantages(batch, mine) if self.critic else 0.0
         totals: dict[str, torch.Tensor] = {}
         grad_norms = []

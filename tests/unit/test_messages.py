@@ -125,6 +125,20 @@ def test_per_token_arrays_must_agree():
         encode_group(group)  # refused on the actor's side, naming the sample
 
 
+@pytest.mark.parametrize("spoil, message", [
+    (lambda s: setattr(s, "num_turns", 2), "samples\\[1\\]: num_turns=2 but 1 turn rewards"),
+    (lambda s: setattr(s, "logprobs", np.float32(0.5)), "samples\\[1\\]: .* has no len\\(\\): arrays must be 1-D"),
+    (lambda s: setattr(s, "tokens", s.tokens.reshape(-1, 1)), "samples' tokens: all the input arrays must have same number"),
+])
+def test_the_encoder_refuses_a_sample_the_columns_could_not_place(spoil, message):
+    """Mismatches the columns would hide (a turn reward counted in the next sample) or turn into
+    another error are refused on the actor's side, naming the sample."""
+    group = make_group()
+    spoil(group.samples[1])
+    with pytest.raises(CodecError, match=message):
+        encode_group(group)
+
+
 def test_a_bad_mask_value_names_its_sample():
     group = make_group()
     group.samples[2].loss_mask = group.samples[2].loss_mask.copy()

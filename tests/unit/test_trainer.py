@@ -197,3 +197,64 @@ def test_a_checkpoint_written_in_the_background_holds_its_step_while_training_go
     flat_taken, _ = torch.utils._pytree.tree_flatten(taken[1]["state"])
     assert len(flat) == len(flat_taken) > 0
     assert all(torch.equal(a, b) for a, b in zip(flat, flat_taken) if isinstance(a, torch.Tensor))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3])
+def test_the_proximal_pass_covers_each_ranks_samples_in_fewer_fuller_forwards(ranks):
+    """The no-grad pass before the first update cuts each rank's samples of every minibatch
+    together: the same samples the rank trains, in no more forwards than minibatch by minibatch,
+    as many on every rank (FSDP2's forwards are collectives), each within the token budget."""
+    from learner.batch import microbatches, plan, whole_passes
+
+    batch = collate(varied_groups(4))
+    budget = 8 * int(batch.lengths.max())  # room for eight of the longest samples in a forward
+    steps = plan(batch, 4, ranks, budget)
+    passes = whole_passes(steps, batch.lengths, ranks, budget)
+    assert len({len(p) for p in passes}) == 1
+    per_minibatch = max(sum(len([m for m in mb[r] if m]) for mb in steps.minibatches) for r in range(ranks))
+    assert len(passes[0]) < per_minibatch  # four minibatches' worth of small forwards merged
+    for r in range(ranks):
+        trained = sorted(i for mb in steps.minibatches for micro in mb[r] for i in micro)
+        assert sorted(i for micro in passes[r] for i in micro) == trained
+        assert all(len(m) * int(batch.lengths[m].max()) <= budget for m in passes[r] if len(m) > 1)
+    assert microbatches([], batch.lengths, budget) == []
+
+
+def test_the_proximal_log_probs_are_the_models_own_at_the_first_update(tiny_model):
+    """With the proximal pass cut differently from the updates, every generated token still gets
+    the log-prob of the weights before the first update, in its own row: the first minibatch's
+    ratio is 1 (the clip acts only from the second update on)."""
+    from learner.trainer import Trainer
+
+    groups = varied_groups(4)
+    torch.manual_seed(0)
+    trainer = Trainer(load_causal_lm(tiny_model), LearnerConfig(minibatches=4, max_tokens_per_microbatch=200))
+    batch = collate(groups)
+    trainer.train_step(batch)  # fills batch.prox_logprobs, then updates
+    reference = Trainer(load_causal_lm(tiny_model), LearnerConfig(minibatches=1))
+    one_by_one = collate(groups)
+    reference._before_update(one_by_one, [[i] for i in range(len(one_by_one.lengths))], policy=True)
+    generated = batch.generated_mask.bool()
+    assert generated.sum() > 100
+    torch.testing.assert_close(batch.prox_logprobs[generated], one_by_one.prox_logprobs[generated], rtol=1e-4, atol=1e-5)
+
+
+def test_a_batch_trained_before_brings_nothing_of_that_step(tiny_model):
+    """A Batch that a trust-region step filled with its proximal log-probs, given to a trainer of
+    one update: that step must not use them (its ratio is its own weights' over themselves)."""
+    from learner.trainer import Trainer
+
+    groups = varied_groups(2)
+    torch.manual_seed(0)
+    first = Trainer(load_causal_lm(tiny_model), LearnerConfig(minibatches=4, lr=1e-2))
+    first.train_step(collate(groups))  # its weights move away from the model's
+    reused = collate(groups)
+    first.train_step(reused)
+    assert reused.prox_logprobs is not None  # what the later step must ignore
+    metrics = {}
+    for name, batch in (("reused", reused), ("fresh", collate(groups))):
+        torch.manual_seed(0)
+        metrics[name] = Trainer(load_causal_lm(tiny_model), LearnerConfig(minibatches=1)).train_step(batch)
+    assert metrics["reused"]["learner/ratio_mean"] == pytest.approx(1.0)
+    for key in ("learner/loss/policy", "learner/ratio_mean", "learner/frac_clipped", "learner/grad_norm"):
+        assert metrics["reused"][key] == pytest.approx(metrics["fresh"][key], rel=1e-6), key
