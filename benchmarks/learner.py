@@ -210,7 +210,7 @@ def measure_model(label: str, model_dir, shape: Shape, device: str, repeats: int
     from learner.trainer import Trainer
 
     dev = torch.device(device)
-    # Both keep fp32 weights and AdamW state; on CUDA both compute under bf16 autocast.
+    # All three keep fp32 weights and AdamW state; on CUDA all compute under bf16 autocast.
     cfg = LearnerConfig(device=device, precision="bf16" if device == "cuda" else "fp32")
     trainer = Trainer(load_causal_lm(str(model_dir), "float32"), LearnerConfig(**{**cfg.model_dump(), "minibatches": 1}))
     default = Trainer(load_causal_lm(str(model_dir), "float32"), cfg)  # the trust region: proximal pass, minibatches

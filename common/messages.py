@@ -1,8 +1,8 @@
 """The rollout-group message and its msgpack codec.
 
 One wire format, msgpack, never pickle. A group travels as columns: each per-token array of
-every sample concatenated into one array (with the samples' lengths beside them), each
-per-sample number in one array, each per-sample string or map in one list. Arrays travel as
+every sample concatenated into one array (the samples' turn rewards too), and each per-sample
+field (the samples' lengths, numbers, strings, maps) in one list. Arrays travel as
 ``[dtype, length, bytes]`` with little-endian raw bytes and are decoded with
 ``np.frombuffer`` (no copy beyond msgpack's own); a sample's arrays are views into its
 group's columns. So a group costs a fixed number of array operations whatever its sample

@@ -196,8 +196,13 @@ def whole_passes(steps: Plan, lengths: np.ndarray, ranks: int, max_tokens: int) 
     together, into micro-batches of up to `max_tokens`, not minibatch by minibatch (with four
     minibatches that is up to four times fewer, fuller forwards). [rank] -> micro-batches, every
     rank with the same count (an empty list is a rank's idle pass)."""
-    per_rank = [microbatches([i for mb in steps.minibatches for micro in mb[r] for i in micro], lengths, max_tokens)
-                for r in range(ranks)]
+    return _even([microbatches([i for mb in steps.minibatches for micro in mb[r] for i in micro], lengths, max_tokens)
+                  for r in range(ranks)])
+
+
+def _even(per_rank: list[list[list[int]]]) -> list[list[list[int]]]:
+    """Every rank's micro-batches padded with idle passes to as many as the busiest rank runs
+    (at least one): each forward is a collective."""
     passes = max(1, max(len(m) for m in per_rank))
     return [m + [[]] * (passes - len(m)) for m in per_rank]
 
@@ -210,8 +215,7 @@ def plan(batch: Batch, minibatches: int, ranks: int, max_tokens: int) -> Plan:
         if not mb:  # more minibatches than samples: no optimizer step on nothing (AdamW's momentum would move)
             continue
         per_rank = [microbatches(share, lengths, max_tokens) for share in split_by_tokens(mb, lengths, ranks)]
-        passes = max(1, max(len(m) for m in per_rank))  # every rank runs as many forwards as the busiest
-        out.append([m + [[]] * (passes - len(m)) for m in per_rank])
+        out.append(_even(per_rank))
         for m in per_rank:
             for micro in m:
                 padded += len(micro) * int(lengths[micro].max())
