@@ -1,9 +1,11 @@
 """`omrl bench env`: the env server's requests/s and p50/p99 latency from 1 to 512
 concurrent episodes, on `letters` and on `babyai`, each point against a baseline server
-that answers every route with a constant JSON (the HTTP round trip alone), alternated.
+that answers every route with a constant JSON (the HTTP round trip alone), alternated;
+BabyAI also with 2 worker processes (`omrl env-server --workers 2`) against 1, alternated.
 
-The ratio reported is requests/s of our server over the baseline's at the same
-concurrency: 1.0 would mean the env and the server add nothing to HTTP."""
+The ratios reported are requests/s of our server (one worker) over the baseline's at the
+same concurrency (1.0 would mean the env and the server add nothing to HTTP), and of 2
+workers over 1 (2.0 would be every added core's worth; the load generator shares them)."""
 
 from __future__ import annotations
 
@@ -14,20 +16,26 @@ from benchmarks.common import pyplot
 
 CONCURRENCY = (1, 8, 64, 256, 512)
 QUICK_CONCURRENCY = (1, 8)
+WORKERS = 2  # babyai's second server: processes behind the port
 
 
 def run(quick: bool, device: str = "cpu") -> dict:
-    envs = ("letters",) if quick else ("letters", "babyai")
+    envs = {"letters": 1} if quick else {"letters": 1, "babyai": WORKERS}
     points = []
-    for env in envs:
+    for env, workers in envs.items():
         for episodes in QUICK_CONCURRENCY if quick else CONCURRENCY:
             args = argparse.Namespace(env=env, episodes=episodes, seconds=1.0 if quick else 5.0,
-                                      repeats=1 if quick else 3, max_steps=20)
+                                      repeats=1 if quick else 3, max_steps=20, workers=workers)
             summary = env_server.measure(args)["summary"]
-            points.append({"env": env, "episodes": episodes, **summary})
-    rows = [{"measure": f"{p['env']}, {p['episodes']} episodes: requests/s",
-             "system": p["env_server"]["requests_per_s"]["median"], "baseline": p["baseline"]["requests_per_s"]["median"],
-             "ratio": p["ratio_requests_per_s"]} for p in points]
+            points.append({"env": env, "episodes": episodes, "workers": workers, **summary})
+    rows = []
+    for p in points:  # the server of one worker against the baseline, then N workers against one
+        one, ratio = ("one_worker", p["ratio_one_worker"]) if p["workers"] > 1 else ("env_server", p["ratio_requests_per_s"])
+        rows.append({"measure": f"{p['env']}, {p['episodes']} episodes: requests/s", "ratio": ratio,
+                     "system": p[one]["requests_per_s"]["median"], "baseline": p["baseline"]["requests_per_s"]["median"]})
+    rows += [{"measure": f"{p['env']}, {p['episodes']} episodes: requests/s, {p['workers']} workers (baseline: 1 worker)",
+              "system": p["env_server"]["requests_per_s"]["median"], "baseline": p["one_worker"]["requests_per_s"]["median"],
+              "ratio": p["ratio_workers"]} for p in points if p["workers"] > 1]
     return {"points": points, "rows": rows}
 
 
@@ -37,10 +45,14 @@ def plot(result: dict, path) -> None:
     for env in sorted({p["env"] for p in result["points"]}):
         points = [p for p in result["points"] if p["env"] == env]
         x = [p["episodes"] for p in points]
-        for kind, style in (("env_server", "-o"), ("baseline", "--x")):
-            label = f"{env}: {'env server' if kind == 'env_server' else 'baseline'}"
-            rate.plot(x, [p[kind]["requests_per_s"]["median"] for p in points], style, label=label)
-            p99.plot(x, [p[kind]["p99_ms"]["median"] for p in points], style, label=label)
+        workers = points[0]["workers"]
+        kinds = ({"one_worker": "env server", "env_server": f"env server, {workers} workers"} if workers > 1
+                 else {"env_server": "env server"})
+        for (kind, name), style in zip({**kinds, "baseline": "baseline"}.items(), ("-o", "-s", "--x")):
+            if kind == "baseline":
+                style = "--x"
+            rate.plot(x, [p[kind]["requests_per_s"]["median"] for p in points], style, label=f"{env}: {name}")
+            p99.plot(x, [p[kind]["p99_ms"]["median"] for p in points], style, label=f"{env}: {name}")
     for ax, title in ((rate, "requests/s"), (p99, "p99 latency (ms)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent episodes")

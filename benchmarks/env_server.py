@@ -1,8 +1,15 @@
 """Env server throughput: requests/s and latency percentiles with many concurrent episodes,
 against a baseline server that answers every route with a constant JSON (the cost of the
-HTTP round trip alone), both started as separate processes and alternated.
+HTTP round trip alone), both started as separate processes and alternated; with --workers
+N, the server of one worker alternates with them too (N workers / 1 worker).
 
     python -m benchmarks.env_server --env letters --episodes 256 --seconds 15 --repeats 3
+    python -m benchmarks.env_server --env babyai --episodes 64 --seconds 5 --workers 2
+
+The load generator is one process of hand-written keep-alive HTTP/1.1 connections (one to
+the server's port and one to each worker an episode loop's envs land on, following /create's
+`endpoint` as envs/client.py does): it costs a fraction of aiohttp's client per request, so
+on a small machine the cores go to the servers.
 
 Each episode loop creates an env, resets it to a task, steps with a fixed cycle of actions
 until done (or --max-steps), closes it, and starts over. Prints a table and writes JSON.
@@ -33,6 +40,7 @@ def add_cli_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seconds", type=float, default=15.0, help="measured time per repeat")
     p.add_argument("--repeats", type=int, default=3, help="alternations of server and baseline")
     p.add_argument("--max-steps", type=int, default=20, help="steps before an episode is closed unfinished")
+    p.add_argument("--workers", type=int, default=1, help="env server processes (omrl env-server --workers)")
     p.add_argument("--out", default="bench-results/env_server.json")
 
 
@@ -41,24 +49,28 @@ def main(args: argparse.Namespace) -> dict:
     summary = report["summary"]
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
-    print(f"median over {args.repeats} repeats; env server / baseline: requests/s x{summary['ratio_requests_per_s']['median']:.2f}"
-          f" (range {summary['ratio_requests_per_s']['min']:.2f}-{summary['ratio_requests_per_s']['max']:.2f}), "
+    print(f"median over {args.repeats} repeats; env server / baseline: requests/s {_range(summary['ratio_requests_per_s'])}, "
           f"p99 x{summary['ratio_p99_ms']['median']:.2f}")
+    if "ratio_workers" in summary:
+        print(f"{args.workers} workers / 1 worker: requests/s {_range(summary['ratio_workers'])}")
     return report
 
 
 def measure(args: argparse.Namespace) -> dict:
-    """Our env server and the baseline, alternated `args.repeats` times: every run and a
-    summary (median, min, max of each figure and of the ratios)."""
+    """Our env server (of --workers processes) and the baseline, alternated `args.repeats`
+    times, and with --workers above 1 the server of one worker too (`one_worker`): every run
+    and a summary (median, min, max of each figure and of the ratios, taken repeat by repeat)."""
     from broker.embedded import free_port
 
-    results: dict[str, list[dict]] = {"env_server": [], "baseline": []}
+    workers = getattr(args, "workers", 1)
+    kinds = {"env_server": workers, **({"one_worker": 1} if workers > 1 else {}), "baseline": 0}
+    results: dict[str, list[dict]] = {kind: [] for kind in kinds}
     for _ in range(args.repeats):
-        for kind in ("env_server", "baseline"):
+        for kind, n in kinds.items():
             port = free_port()
-            cmd = ([sys.executable, "-m", "envs", "--env", args.env, "--port", str(port), "--set", "run.log_level=WARNING"]
-                   if kind == "env_server" else [sys.executable, "-m", "benchmarks.env_server", "--serve-baseline",
-                                                 str(port)])
+            cmd = ([sys.executable, "-m", "envs", "--env", args.env, "--port", str(port), "--workers", str(n),
+                    "--set", "run.log_level=WARNING"]
+                   if n else [sys.executable, "-m", "benchmarks.env_server", "--serve-baseline", str(port)])
             server = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             try:
                 wait_http(port, server)
@@ -68,44 +80,82 @@ def measure(args: argparse.Namespace) -> dict:
                 server.wait(30)
             print(f"{kind:<10} {_line(results[kind][-1])}", flush=True)
     summary = {kind: _summary(runs) for kind, runs in results.items()}
-    summary["ratio_requests_per_s"] = _ratio(results, "requests_per_s")
-    summary["ratio_p99_ms"] = _ratio(results, "p99_ms")
-    return {"env": args.env, "episodes": args.episodes, "seconds": args.seconds, "runs": results, "summary": summary}
+    summary["ratio_requests_per_s"] = _ratio(results["env_server"], results["baseline"], "requests_per_s")
+    summary["ratio_p99_ms"] = _ratio(results["env_server"], results["baseline"], "p99_ms")
+    if workers > 1:
+        summary["ratio_workers"] = _ratio(results["env_server"], results["one_worker"], "requests_per_s")
+        summary["ratio_one_worker"] = _ratio(results["one_worker"], results["baseline"], "requests_per_s")
+    return {"env": args.env, "episodes": args.episodes, "workers": workers, "seconds": args.seconds,
+            "runs": results, "summary": summary}
+
+
+class _Connection:
+    """One keep-alive HTTP/1.1 connection written by hand: a load generator lean enough that the
+    servers, not the client, take the machine's cores (aiohttp's client costs about as much
+    per request as aiohttp's server)."""
+
+    def __init__(self, url: str):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.host, self.port = host, int(port)
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: dict) -> dict:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        data = json.dumps(body).encode()
+        self.writer.write(b"POST %s HTTP/1.1\r\nHost: %s:%d\r\nContent-Type: application/json\r\n"
+                          b"Content-Length: %d\r\n\r\n%s" % (path.encode(), self.host.encode(), self.port, len(data), data))
+        head = await self.reader.readuntil(b"\r\n\r\n")
+        length = int(head.split(b"Content-Length: ", 1)[1].split(b"\r\n", 1)[0])
+        answer = json.loads(await self.reader.readexactly(length))
+        if not head.startswith(b"HTTP/1.1 200"):
+            status = head.split(b"\r\n", 1)[0].decode()
+            raise RuntimeError(f"POST {path}: {status}: {answer}")
+        return answer
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
 
 
 async def _load(port: int, args: argparse.Namespace) -> dict:
-    import aiohttp
-
     base = f"http://127.0.0.1:{port}"
     latencies: list[float] = []
     episodes_done = 0
     deadline = time.monotonic() + args.seconds
     actions = ACTIONS.get(args.env, ["a"])
 
-    async def call(session, path: str, body: dict) -> dict:
+    async def call(conn: _Connection, path: str, body: dict) -> dict:
         started = time.perf_counter()
-        async with session.post(base + path, json=body) as resp:
-            answer = await resp.json()
+        answer = await conn.post(path, body)
         latencies.append(time.perf_counter() - started)
         return answer
 
-    async def episodes(session, worker: int) -> None:
+    async def episodes(loop_index: int) -> None:
         nonlocal episodes_done
-        task = worker
-        while time.monotonic() < deadline:
-            env_id = (await call(session, "/create", {}))["id"]
-            await call(session, "/reset", {"id": env_id, "data_idx": task})
-            for step in range(args.max_steps):
-                answer = await call(session, "/step", {"id": env_id, "action": actions[step % len(actions)]})
-                if answer.get("done"):
-                    break
-            await call(session, "/close", {"id": env_id})
-            episodes_done += 1
-            task += args.episodes
+        task = loop_index
+        front = _Connection(base)
+        workers: dict[str, _Connection] = {}  # a connection to each worker this loop's envs were on
+        try:
+            while time.monotonic() < deadline:
+                created = await call(front, "/create", {})
+                env_id, url = created["id"], created.get("endpoint")  # a worker's own port, as our client does
+                conn = front if url is None else workers.setdefault(url, _Connection(url))
+                await call(conn, "/reset", {"id": env_id, "data_idx": task})
+                for step in range(args.max_steps):
+                    answer = await call(conn, "/step", {"id": env_id, "action": actions[step % len(actions)]})
+                    if answer.get("done"):
+                        break
+                await call(conn, "/close", {"id": env_id})
+                episodes_done += 1
+                task += args.episodes
+        finally:
+            for conn in (front, *workers.values()):
+                conn.close()
 
     started = time.monotonic()
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=args.episodes)) as session:
-        await asyncio.gather(*[episodes(session, w) for w in range(args.episodes)])
+    await asyncio.gather(*[episodes(w) for w in range(args.episodes)])
     elapsed = time.monotonic() - started
     latencies.sort()
     return {"requests": len(latencies), "requests_per_s": len(latencies) / elapsed,
@@ -132,9 +182,13 @@ def _summary(runs: list[dict]) -> dict:
                   "max": max(r[key] for r in runs)} for key in ("requests_per_s", "p50_ms", "p99_ms", "episodes_per_s")}
 
 
-def _ratio(results: dict[str, list[dict]], key: str) -> dict:
-    ratios = [a[key] / b[key] for a, b in zip(results["env_server"], results["baseline"])]
+def _ratio(system: list[dict], baseline: list[dict], key: str) -> dict:
+    ratios = [a[key] / b[key] for a, b in zip(system, baseline)]
     return {"median": statistics.median(ratios), "min": min(ratios), "max": max(ratios)}
+
+
+def _range(ratio: dict) -> str:
+    return f"x{ratio['median']:.2f} (range {ratio['min']:.2f}-{ratio['max']:.2f})"
 
 
 def _line(r: dict) -> str:

@@ -112,6 +112,10 @@ class EnvConfig(Section):
     """Host the env server binds to."""
     port: int = Field(0, ge=0, le=65535)
     """Port of the env server (0: `omrl run` picks a free one)."""
+    workers: int = Field(1, ge=1, le=256)
+    """Processes of `omrl env-server` behind env.port, each instance pinned to one (envs/workers.py): more
+    cores for envs whose calls hold the GIL (babyai). Worker i listens on env.port + 1 + i (publish those
+    too where clients are outside the container); envs that release the GIL scale with threads in one."""
     num_tasks: int = Field(1000, ge=2)
     """Tasks are integers 0..num_tasks-1 (AgentGym `data_idx`), for envs whose spec does not say."""
     options: dict[str, Any] = Field(default_factory=dict)

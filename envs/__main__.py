@@ -12,16 +12,26 @@ from common.logs import setup_logging
 
 async def _serve(cfg) -> None:
     from envs.server import EnvServer, serve
+    from envs.workers import WorkerPool
 
-    server = EnvServer(cfg.env.name, cfg.env.options)
-    runner = await serve(server, cfg.env.host, cfg.env.port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    print(f"env server {cfg.env.name!r} listening on http://{cfg.env.host}:{cfg.env.port}", flush=True)
-    await stop.wait()
-    await runner.cleanup()
+    where = f"{cfg.env.name!r} listening on http://{cfg.env.host}:{cfg.env.port}"
+    if cfg.env.workers == 1:
+        runner = await serve(EnvServer(cfg.env.name, cfg.env.options), cfg.env.host, cfg.env.port)
+        print(f"env server {where}", flush=True)
+        await stop.wait()
+        await runner.cleanup()
+        return
+    pool = WorkerPool(cfg.env.name, cfg.env.options, cfg.env.workers, cfg.env.host, cfg.env.port, cfg.run.log_level)
+    started = asyncio.Event()
+    run = asyncio.create_task(pool.run(stop, started))
+    await asyncio.wait([run, asyncio.create_task(started.wait())], return_when=asyncio.FIRST_COMPLETED)
+    if started.is_set():
+        print(f"env server {where} ({cfg.env.workers} worker processes, ports {pool.ports})", flush=True)
+    await run
 
 
 def main(argv: list[str] | None = None, preflight: Preflight | None = None) -> None:
@@ -31,8 +41,10 @@ def main(argv: list[str] | None = None, preflight: Preflight | None = None) -> N
     parser.add_argument("--env", help="env name (env.name)")
     parser.add_argument("--host", help="bind address (env.host)")
     parser.add_argument("--port", type=int, help="port (env.port)")
+    parser.add_argument("--workers", type=int, help="processes serving envs behind the port (env.workers)")
     args = parser.parse_args(argv)
-    cfg = config_from_args(args, {"env.name": args.env, "env.host": args.host, "env.port": args.port})
+    cfg = config_from_args(args, {"env.name": args.env, "env.host": args.host, "env.port": args.port,
+                                  "env.workers": args.workers})
     if preflight is not None:
         preflight(cfg, args.debug)
     setup_logging("env", cfg.run.log_level)

@@ -279,6 +279,8 @@ class _Describer:
 
 @register_env("babyai")
 class BabyAIEnv(Env):
+    blocking = False  # pure Python, quick: served on the event loop
+
     def __init__(self):
         self._gym = _minigrid()
         self.env = None
@@ -308,7 +310,12 @@ class BabyAIEnv(Env):
     def _action_list(self) -> str:
         return "\nAvailable actions: [" + ", ".join(f'"{a}"' for a in self.view.actions) + "]"
 
+    def _reset_first(self) -> None:
+        if self.view is None:
+            raise RuntimeError("env {id} has no task yet: POST /reset first")
+
     def step(self, action: str) -> StepResult:
+        self._reset_first()
         if self.done:
             raise RuntimeError("The task with environment {id} has finished.")
         action = action.lower().strip()
@@ -343,12 +350,15 @@ class BabyAIEnv(Env):
             self.text += "\n The task is completed."
 
     def observation(self) -> str:
+        self._reset_first()
         return f"Your goal: {self.goal}\n{self.text}{self._action_list()}"
 
     def random_action(self, rng: random.Random) -> str:
+        self._reset_first()
         return rng.choice(list(self.view.actions))
 
     def oracle_action(self) -> str:
+        self._reset_first()
         plan = _Planner(self.env.unwrapped).plan()
         if not plan:
             return "check available actions"

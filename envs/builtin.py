@@ -17,6 +17,8 @@ class LettersEnv(Env):
     letter, so the model must learn to continue a letter with itself, and to stop.
     """
 
+    blocking = False  # pure Python, quick: served on the event loop
+
     def __init__(self, turns: int = 2, alphabet: str = "abcd"):
         if turns < 1:
             raise ValueError("letters: turns must be at least 1")

@@ -20,6 +20,8 @@ from envs.base import Env, StepResult, register_env
 
 @register_env("calculator")
 class CalculatorEnv(Env):
+    blocking = False  # pure Python, quick: served on the event loop
+
     def __init__(self, top: int = 99, turns: int = 3, call_reward: float = 0.2):
         if not 2 <= top <= 999:
             raise ValueError("calculator: top must be in 2..999")

@@ -72,25 +72,48 @@ class EnvClient:
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
         self.spec = spec or EnvSpec("env")
         self.key = "env_idx" if self.spec.protocol == "env_idx" else "id"
+        # A server of several workers (envs/workers.py) names in /create's answer the worker that
+        # holds the instance: its requests go straight there, unless one could not be reached.
+        self.endpoints: dict[int, str] = {}
+        self.direct = True
 
-    async def _request(self, method: str, path: str, attempts: int = MAX_ATTEMPTS, **kwargs: Any) -> Any:
+    async def _request(self, method: str, path: str, attempts: int = MAX_ATTEMPTS, env_id: int | None = None,
+                       **kwargs: Any) -> Any:
         url = f"{self.base_url}{path}"
         retryable = (*NOT_SENT, *MAYBE_DONE, EnvBusy) if path in IDEMPOTENT else (*NOT_SENT, EnvBusy)
 
+        async def answer(resp: aiohttp.ClientResponse) -> Any:
+            try:
+                body = await resp.json(content_type=None)
+            except ValueError:
+                error = EnvError(f"{method} {path}: HTTP {resp.status}: the answer is not JSON")
+            else:
+                if resp.status < 400 and not (isinstance(body, dict) and "error" in body):
+                    return body
+                message = body.get("error") if isinstance(body, dict) else body
+                error = EnvError(f"{method} {path}: HTTP {resp.status}: {message}")
+            if resp.status in RETRY_STATUS:
+                raise EnvBusy(str(error))
+            raise error
+
         async def once() -> Any:
+            endpoint = self.endpoints.get(env_id) if env_id is not None else None
+            try:
+                async with self.session.request(method, f"{endpoint}{path}" if endpoint else url,
+                                                timeout=self.timeout, **kwargs) as resp:
+                    return await answer(resp)
+            except NOT_SENT:
+                if endpoint is None:
+                    raise
+            # Nothing was sent to the worker: the front forwards it. Where the front reaches the worker
+            # (no 502), its port is closed to us (not published from a container): the front serves all.
+            self.endpoints.pop(env_id, None)
             async with self.session.request(method, url, timeout=self.timeout, **kwargs) as resp:
-                try:
-                    body = await resp.json(content_type=None)
-                except ValueError:
-                    error = EnvError(f"{method} {path}: HTTP {resp.status}: the answer is not JSON")
-                else:
-                    if resp.status < 400 and not (isinstance(body, dict) and "error" in body):
-                        return body
-                    message = body.get("error") if isinstance(body, dict) else body
-                    error = EnvError(f"{method} {path}: HTTP {resp.status}: {message}")
-                if resp.status in RETRY_STATUS:
-                    raise EnvBusy(str(error))
-                raise error
+                if resp.status != 502 and self.direct:
+                    log.warning("env worker at %s unreachable from here: going through %s", endpoint, self.base_url)
+                    self.direct = False
+                    self.endpoints.clear()
+                return await answer(resp)
 
         try:
             return await dataclasses.replace(POLICY, retryable=retryable, attempts=attempts).run(f"{method} {url}", once)
@@ -109,11 +132,13 @@ class EnvClient:
         if isinstance(body, dict):
             for key in ("id", "env_idx"):
                 if isinstance(body.get(key), int):
+                    if self.direct and isinstance(body.get("endpoint"), str):
+                        self.endpoints[body[key]] = body["endpoint"].rstrip("/")
                     return body[key]
         raise EnvError(f"POST /create: no instance id in the answer {str(body)[:200]!r}")
 
     async def reset(self, env_id: int, task_idx: int) -> StepResult:
-        body = await self._request("POST", "/reset", json={self.key: env_id, **self.spec.reset_body(task_idx)})
+        body = await self._request("POST", "/reset", env_id=env_id, json={self.key: env_id, **self.spec.reset_body(task_idx)})
         observation = observation_of(body, "POST /reset")
         prefix = body.get(self.spec.reset_prefix) if self.spec.reset_prefix and isinstance(body, dict) else None
         if isinstance(prefix, str):
@@ -123,32 +148,37 @@ class EnvClient:
     async def step(self, env_id: int, action: str) -> StepResult:
         """The answer as a StepResult; `reward` is the spec's reward field, scaled (a running
         total where `spec.reward_is_total`)."""
-        body = await self._request("POST", "/step", json={self.key: env_id, "action": action})
+        body = await self._request("POST", "/step", env_id=env_id, json={self.key: env_id, "action": action})
         return step_result(body, self.spec)
 
     async def observation(self, env_id: int) -> str:
-        return observation_of(await self._request("GET", "/observation", params={self.key: str(env_id)}),
+        return observation_of(await self._request("GET", "/observation", env_id=env_id, params={self.key: str(env_id)}),
                               "GET /observation")
 
     async def oracle_action(self, env_id: int) -> str:
         """An expert's next action (our env servers only)."""
-        return (await self._request("GET", "/oracle", params={"id": str(env_id)}))["action"]
+        return (await self._request("GET", "/oracle", env_id=env_id, params={"id": str(env_id)}))["action"]
 
     async def random_action(self, env_id: int) -> str:
         """The random baseline's next action (our env servers only)."""
-        return (await self._request("GET", "/random", params={"id": str(env_id)}))["action"]
+        return (await self._request("GET", "/random", env_id=env_id, params={"id": str(env_id)}))["action"]
 
     async def close(self, env_id: int) -> bool:
-        return bool(await self._request("POST", "/close", json={self.key: env_id}))
+        try:
+            return bool(await self._request("POST", "/close", env_id=env_id, json={self.key: env_id}))
+        finally:
+            self.endpoints.pop(env_id, None)
 
     async def close_quietly(self, env_id: int) -> None:
         """Free an env at the end of an episode, once, without failing it: a server that is
         gone has nothing to free, servers free idle envs on their own, and some AgentGym
         servers have no /close."""
         try:
-            await self._request("POST", "/close", attempts=1, json={self.key: env_id})
+            await self._request("POST", "/close", attempts=1, env_id=env_id, json={self.key: env_id})
         except EnvError as exc:
             log.debug("close of env %d failed: %s", env_id, exc)
+        finally:
+            self.endpoints.pop(env_id, None)
 
     def _reward(self, body: Any) -> float:
         return _number(body, self.spec.reward_field) * self.spec.reward_scale if isinstance(body, dict) else 0.0

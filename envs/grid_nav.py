@@ -23,6 +23,8 @@ Cell = tuple[int, int]
 
 @register_env("grid_nav")
 class GridNavEnv(Env):
+    blocking = False  # pure Python, quick: served on the event loop
+
     def __init__(self, size: int = 4, walls: int = 2, turns: int = 8, penalty: float = 0.1):
         if not 2 <= size <= 9:
             raise ValueError("grid_nav: size must be in 2..9")

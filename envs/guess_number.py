@@ -18,6 +18,8 @@ from envs.base import Env, StepResult, register_env
 
 @register_env("guess_number")
 class GuessNumberEnv(Env):
+    blocking = False  # pure Python, quick: served on the event loop
+
     def __init__(self, high: int = 8, turns: int = 4, penalty: float = 0.2):
         if not 2 <= high <= 99:
             raise ValueError("guess_number: high must be in 2..99")

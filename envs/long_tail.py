@@ -27,6 +27,8 @@ def answer_length(task_idx: int, alpha: float, max_len: int) -> int:
 
 @register_env("long_tail")
 class LongTailEnv(Env):
+    blocking = False  # pure Python, quick: served on the event loop
+
     def __init__(self, alpha: float = 1.0, max_len: int = 64, alphabet: str = "abcd"):
         if alpha <= 0:
             raise ValueError("long_tail: alpha must be positive (smaller: heavier tail)")

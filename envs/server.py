@@ -14,7 +14,9 @@ The extra fields of /reset and /step (`score`, `success`, ...) are the env's own
 AgentGym's server of the same env names them.
 
 Fit for slow, heavy envs: every env call runs in a worker thread (one call at a time per
-instance), so an env that blocks (a JVM, a planner) never stalls the event loop. A crash
+instance), so an env that blocks (a JVM, a planner) never stalls the event loop; a quick
+pure-Python env (`Env.blocking = False`) runs on the loop instead, and more worker processes
+behind the port give it more cores (`--workers`, envs/workers.py). A crash
 inside an instance answers 500 with a JSON error and frees that instance; the others go
 on. Past `max_envs` open instances, /create answers 503 with Retry-After. Every instance
 belongs to one client (ids start at a random offset, so a restarted server never hands out
@@ -42,6 +44,7 @@ from envs.base import Env, make_env
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+BODY = web.RequestKey("omrl_body", dict)  # a request's JSON body, parsed once
 
 
 class RequestError(Exception):
@@ -67,14 +70,18 @@ class _Instance:
 
 class EnvServer:
     def __init__(self, env_name: str, options: dict[str, Any] | None = None, idle_ttl_s: float = 600.0,
-                 max_envs: int = 4096, threads: int = 32, seed: int = 0):
+                 max_envs: int = 4096, threads: int = 32, seed: int = 0, worker: int = 0, workers: int = 1):
         self.env_name, self.options = env_name, dict(options or {})
-        make_env(env_name, **self.options).close()  # fail at start on a bad name or options
+        probe = make_env(env_name, **self.options)  # fail at start on a bad name or options
+        probe.close()
+        self.inline = not type(probe).blocking  # its calls run on the event loop (envs/base.py)
         self.idle_ttl_s, self.max_envs = idle_ttl_s, max_envs
         self.instances: dict[int, _Instance] = {}
         # Ids start at a random offset: a client still holding an id of a server that died
-        # gets 404 from its successor, never another client's env.
-        self._ids = itertools.count(secrets.randbelow(2 ** 40))
+        # gets 404 from its successor, never another client's env. Worker `worker` of `workers`
+        # (envs/workers.py) hands out the ids equal to `worker` modulo `workers`: the front
+        # routes a request by its id alone.
+        self._ids = itertools.count(secrets.randbelow(2 ** 40) * workers + worker, workers)
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="env")
         self.stats = {"created": 0, "closed": 0, "reaped": 0, "failed": 0, "steps": 0}
         self._rng = random.Random(seed)
@@ -86,14 +93,21 @@ class EnvServer:
     # -- helpers --------------------------------------------------------------------------
     @staticmethod
     async def _body(request: web.Request) -> dict[str, Any]:
-        if not request.can_read_body:
-            return {}
-        try:
-            body = await request.json()
-        except json.JSONDecodeError as exc:
-            raise RequestError(400, f"body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise RequestError(400, "body must be a JSON object")
+        """The JSON object of the body ({} if none), parsed once a request (a worker's router
+        reads it first)."""
+        if BODY in request:
+            return request[BODY]
+        raw = await request.read()
+        if not raw:
+            body = {}
+        else:
+            try:
+                body = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                raise RequestError(400, f"body is not JSON: {exc}") from None
+            if not isinstance(body, dict):
+                raise RequestError(400, "body must be a JSON object")
+        request[BODY] = body
         return body
 
     @staticmethod
@@ -111,6 +125,9 @@ class EnvServer:
         return inst
 
     async def _in_thread(self, call: Callable[[], T]) -> T:
+        """`call()` in a worker thread, or here on the loop for an env that does not block."""
+        if self.inline:
+            return call()
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
     async def _call(self, env_id: int, what: str, call: Callable[[Env], T]) -> T:
@@ -250,7 +267,8 @@ class EnvServer:
 
 
 async def serve(server: EnvServer, host: str, port: int) -> web.AppRunner:
-    """Start serving in the running loop; returns the runner (call `await runner.cleanup()`)."""
+    """Start serving `server` (an EnvServer, or envs.workers.WorkerPool: whatever has `app()`)
+    in the running loop; returns the runner (call `await runner.cleanup()`)."""
     runner = web.AppRunner(server.app(), access_log=None)
     await runner.setup()
     await web.TCPSite(runner, host, port).start()

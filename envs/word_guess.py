@@ -18,6 +18,8 @@ from envs.base import Env, StepResult, register_env
 
 @register_env("word_guess")
 class WordGuessEnv(Env):
+    blocking = False  # pure Python, quick: served on the event loop
+
     def __init__(self, length: int = 2, alphabet: str = "abcd", turns: int = 5, penalty: float = 0.2):
         if not 1 <= length <= 6:
             raise ValueError("word_guess: length must be in 1..6")

@@ -171,6 +171,8 @@ class SlowOrCrashing(LettersEnv):
     """`letters`, except that task 0 blocks for a second in every step (a JVM call, say) and
     task 1 crashes in its first step."""
 
+    blocking = True  # it blocks: its calls must run in threads
+
     def reset(self, task_idx: int) -> str:
         self.task_idx = task_idx
         return super().reset(task_idx)
