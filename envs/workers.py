@@ -105,8 +105,9 @@ class WorkerServer(EnvServer):
 
     def _least_loaded(self) -> int:
         """The worker with the fewest open instances (this one among equals)."""
-        fewest = min(self.loads)
-        return self.worker if self.loads[self.worker] == fewest else list(self.loads).index(fewest)
+        loads = list(self.loads)  # one look: the others change theirs meanwhile
+        fewest = min(loads)
+        return self.worker if loads[self.worker] == fewest else loads.index(fewest)
 
     def _count(self) -> None:
         self.loads[self.worker] = len(self.instances)
