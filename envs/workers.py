@@ -49,6 +49,10 @@ COUNTS = ("open", "created", "closed", "reaped", "failed", "steps")
 FORWARDED = "X-Omrl-Forwarded"  # on a request one worker passed to another: served there, never passed on
 
 
+class _Down(RequestError):
+    """The worker a request was for refused the connection: nothing was sent to it."""
+
+
 class WorkerServer(EnvServer):
     """Worker `worker` of len(`ports`): serves its own instances, forwards requests for the
     others' to their owner's port (`ports[owner]`), and names its own port in /create."""
@@ -90,6 +94,9 @@ class WorkerServer(EnvServer):
                 data = await resp.read()
                 kept = {k: v for k, v in resp.headers.items() if k == "Retry-After"}
                 return web.Response(body=data, status=resp.status, content_type=resp.content_type, headers=kept)
+        except aiohttp.ClientConnectorError as exc:
+            raise _Down(502, f"env worker {owner} is down ({type(exc).__name__}: {exc}): it is being started "
+                             f"again; the envs it held are gone") from None
         except aiohttp.ClientError as exc:
             raise RequestError(502, f"env worker {owner} did not answer ({type(exc).__name__}: {exc}): it is being "
                                     f"started again; the envs it held are gone") from None
@@ -100,7 +107,12 @@ class WorkerServer(EnvServer):
             return await handler(request)
         owner = self._least_loaded() if request.path == "/create" else await self._owner(request)
         if owner is not None and owner != self.worker:
-            return await self._forward(owner, request, await request.read())
+            try:
+                return await self._forward(owner, request, await request.read())
+            except _Down:
+                if request.path != "/create":
+                    raise
+                # The least loaded is being started again (nothing was sent to it): this one creates.
         return await handler(request)
 
     def _least_loaded(self) -> int:

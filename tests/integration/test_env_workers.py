@@ -114,8 +114,13 @@ def test_a_killed_worker_costs_its_own_episodes_and_comes_back(server):
             assert sorted(i % 2 for i in ids) == [0] * 4 + [1] * 4  # to the least loaded, wherever they land
             for env_id in ids:
                 await client.reset(env_id, 1)
+            for env_id in [i for i in ids if i % 2][:2]:  # worker 1 now the least loaded
+                await client.close(env_id)
+                ids.remove(env_id)
             killed = (await stats(session, port))["workers"][1]["pid"]
             os.kill(killed, signal.SIGKILL)
+            await asyncio.sleep(0.05)
+            assert (await client.create()) % 2 == 0  # the least loaded is down: worker 0 creates
             outcomes = await asyncio.gather(*[client.step(i, "a") for i in ids], return_exceptions=True)
             lost = [i for i, out in zip(ids, outcomes) if isinstance(out, EnvError)]
             kept = [i for i, out in zip(ids, outcomes) if not isinstance(out, BaseException)]
