@@ -32,6 +32,7 @@ earlier turns) is refused at construction, naming the tokenizer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal, Protocol
 
 # The fixed conversation the template's pieces are cut from (content tokenised on its own).
@@ -48,6 +49,26 @@ class TurnFormat(Protocol):
         and the end of turn it stops on (what oracle and imported trajectories are trained on)."""
 
 
+_PROBE = "Say x.\n  The   door (2 steps) <|im_end|>\u00e9t\u00e9 \u4f60\u597d 12345 \tend"
+
+
+def text_encoder(tokenizer) -> Callable[[str], list[int]]:
+    """`tokenizer.encode(text, add_special_tokens=False)`, through the Rust tokenizer itself
+    where the tokenizer is a fast one that encodes the same: Hugging Face's path batches one
+    text through a thread pool, and in an actor that shares its GIL with vLLM's front end each
+    call cost about 200 us (x1.11 the default episode loop's tokens/s without it)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    slow = lambda text: list(tokenizer.encode(text, add_special_tokens=False))  # noqa: E731
+    if backend is None or not callable(getattr(backend, "encode", None)):
+        return slow
+    fast = lambda text: backend.encode(text, add_special_tokens=False).ids  # noqa: E731
+    try:
+        same = fast(_PROBE) == slow(_PROBE)
+    except Exception:  # noqa: BLE001 - any surprise: the tokenizer's own path
+        same = False
+    return fast if same else slow
+
+
 class PlainFormat:
     """No template: the system text, then the first observation, then each later observation
     as it comes, each encoded without special tokens."""
@@ -55,9 +76,7 @@ class PlainFormat:
     def __init__(self, tokenizer, stop: list[str] | tuple[str, ...] = ()):
         self.tokenizer = tokenizer
         self.stop = stop
-
-    def _encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
+        self._encode = text_encoder(tokenizer)
 
     def first_prompt(self, system: str, observation: str) -> list[int]:
         return self._encode(system + observation)
@@ -78,8 +97,9 @@ class ChatFormat:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.name = tokenizer.name_or_path or type(tokenizer).__name__
+        self._encode = text_encoder(tokenizer)
         self._prompt = self._render([_USER], generation_prompt=True)
-        self._content = tokenizer.encode(_ASSISTANT["content"], add_special_tokens=False)
+        self._content = self._encode(_ASSISTANT["content"])
         # A template that breaks the prefix assumptions fails here, at start.
         self.assistant_suffix = self._assistant_suffix(self._after_content("z"))
 
@@ -96,11 +116,12 @@ class ChatFormat:
     def agent_turn(self, text: str) -> list[int]:
         """The text's tokens and the first token of the assistant suffix (ChatML: <|im_end|>, the
         tiny template: "\\n"), where the model stops; the rest of the suffix is context."""
-        return self.tokenizer.encode(text, add_special_tokens=False) + self.assistant_suffix[:1]
+        return self._encode(text) + self.assistant_suffix[:1]
 
     def _render(self, messages: list[dict[str, str]], generation_prompt: bool = False) -> list[int]:
-        return list(self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
-                                                       tokenize=True, return_dict=False))
+        # As apply_chat_template(tokenize=True) encodes its render, without its batching.
+        return self._encode(self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt,
+                                                               tokenize=False))
 
     def _rest(self, whole: list[int], prefix: list[int], what: str) -> list[int]:
         if whole[:len(prefix)] != prefix:

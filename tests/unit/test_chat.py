@@ -388,3 +388,21 @@ def test_qwen3s_template_appends_token_exactly_and_keeps_the_models_reasoning():
     last = render(messages[:-1][:-1] + [{"role": "assistant", "content": texts[1], "reasoning_content": "I go b."}])
     first = render(messages[:-1][:-1], add_generation_prompt=True)
     assert last[len(first):] == thought[1] + tokenizer.encode("\n", add_special_tokens=False)
+
+
+def test_the_fast_encoder_encodes_as_the_tokenizer_does_or_is_not_used(tiny_tokenizer):
+    from actors.chat import text_encoder
+
+    texts = ["", "Say a", "<|im_start|>user\nSay b<|im_end|>\n", "  two  spaces\n\n\tand tabs", "été 你好 ✓", "x" * 300]
+    for tokenizer in (tiny_tokenizer, chatml_tokenizer()):
+        encode = text_encoder(tokenizer)
+        assert encode is not None and [encode(t) for t in texts] == [
+            list(tokenizer.encode(t, add_special_tokens=False)) for t in texts]
+
+    class Odd:  # a tokenizer whose Rust backend encodes differently: its own path is kept
+        _tokenizer = type("Backend", (), {"encode": lambda self, text, add_special_tokens: type("E", (), {"ids": [0]})})()
+
+        def encode(self, text, add_special_tokens):
+            return [1, 2]
+
+    assert text_encoder(Odd())("anything") == [1, 2]
