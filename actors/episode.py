@@ -142,9 +142,9 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
     turns: list[EpisodeTurn] = []
     states: list[str] = []
     finish, done, info = "max_turns", False, {}
-    env_id = await env.create()
+    env_id, first = await env.start(task_idx)
+    in_order = False
     try:
-        first = await env.reset(env_id, task_idx)
         observation, total = first.observation, first.reward
         prompt = observation
         state = state_key(first)
@@ -187,8 +187,9 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
                 break
             buf.add_context(context_ids)
             note({"from": "human", "value": next_text})
+        in_order = True
     finally:
-        await env.close_quietly(env_id)
+        await env.finish(env_id, in_order)  # kept for the next episode, or closed
     episode = Episode(turns=turns, success=spec.succeeded(done, total, info), generated_tokens=sum(buf.loss_mask),
                       token_budget=cfg.max_turns * cfg.max_tokens, finish_reason=finish, task_idx=task_idx,
                       task=setup.task_data.get(task_idx, {}), env_name=setup.env_name, prompt=prompt)

@@ -144,7 +144,7 @@ class Actor:
             with contextlib.suppress(GroupFailed):  # the receiver (or the next group) tries again
                 await self._load_newest_weights()  # start on the current version
             async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
-                self.env = EnvClient(cfg.env.base_url, session, cfg.env.timeout_s, self.spec)
+                self.env = EnvClient(cfg.env.base_url, session, cfg.env.timeout_s, self.spec, cfg.env.reuse_instances)
                 self.setup = EpisodeSetup(self.env, self.tokenizer, cfg.actor, self.template, cfg.env.name,
                                           self.task_data)
                 self.policy = ModelPolicy(self.engine, self.gate)
@@ -162,6 +162,7 @@ class Actor:
                         tg.create_task(self._eval_loop(client, keys))
                     loops = [tg.create_task(self._group_loop()) for _ in range(cfg.actor.concurrent_groups)]
                     tg.create_task(self._drain(loops, flusher))
+                await self.env.close_kept()  # the instances kept for episodes that will not come
         finally:
             await asyncio.to_thread(self.link.close)  # leaves the learner's weight group, if a member
             await client.aclose()

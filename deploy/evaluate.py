@@ -90,13 +90,14 @@ async def _evaluate_all(cfg: Config, args: argparse.Namespace):
                 _train, test = task_split(env_cfg)
                 tasks = list(test)[:args.episodes]
                 async with env_server(name, cfg, args.env_url) as url:
-                    client = EnvClient(url, session, cfg.env.timeout_s, spec_of(env_cfg))
+                    client = EnvClient(url, session, cfg.env.timeout_s, spec_of(env_cfg), cfg.env.reuse_instances)
                     setup = EpisodeSetup(client, tokenizer, cfg.actor, make_template(cfg.actor.action_template), name,
                                          task_data(env_cfg))
                     policy = (PinnedModelPolicy(engine, version=0, temperature=args.temperature) if engine
                               else ServerPolicy(setup, args.policy))
                     log.info("evaluating %s on %d held-out tasks of %s", args.policy, len(tasks), name)
                     results.append(await evaluate(setup, policy, tasks, args.policy))
+                    await client.close_kept()
     finally:
         if engine is not None:
             engine.shutdown()

@@ -228,3 +228,30 @@ def test_oracle_and_random_actions_over_http():
         result = await client.step(env_id, await client.oracle_action(env_id))
         assert result.reward == pytest.approx(0.5) and "success" in result.info
     with_server(scenario)
+
+
+def test_an_instance_left_in_order_is_reset_for_the_next_episode_and_one_gone_is_replaced():
+    async def scenario(client, session, port, server):
+        env_id, first = await client.start(3)
+        assert first.observation.startswith("Say ") and server.stats["created"] == 1
+        await client.finish(env_id, in_order=True)  # kept, not closed
+        again, _ = await client.start(4)
+        assert again == env_id and server.stats["created"] == 1 and server.stats["closed"] == 0
+        await client.finish(again, in_order=False)  # an episode that failed: its instance is closed
+        assert server.stats["closed"] == 1 and not server.envs
+
+        kept, _ = await client.start(5)
+        await client.finish(kept, in_order=True)
+        await client.close(kept)  # gone behind the kept list's back (as when reaped after idling)
+        client.kept.append(kept)
+        fresh, answer = await client.start(6)
+        assert fresh != kept and answer.observation.startswith("Say ") and server.stats["created"] == 3
+        await client.finish(fresh, in_order=True)
+        await client.close_kept()
+        assert not client.kept and not server.envs
+
+        client.reuse = False  # env.reuse_instances = false: every episode its own instance
+        one, _ = await client.start(7)
+        await client.finish(one, in_order=True)
+        assert not client.kept and not server.envs and server.stats["created"] == 4
+    with_server(scenario)

@@ -42,7 +42,10 @@ class LocalEnvClient:
     async def step(self, env_id, action):
         return self.env.step(action)
 
-    async def close_quietly(self, env_id) -> None:
+    async def start(self, task_idx):
+        return 0, await self.reset(0, task_idx)
+
+    async def finish(self, env_id, in_order) -> None:
         pass
 
 
