@@ -1,7 +1,8 @@
 """Inference engines behind one small interface: `generate` one continuation of a token
 list with per-token log-probs; `load_weights` from a safetensors file in place (whatever
 the transport: a broadcast version is staged as a file first); `pause` (running requests
-return what they have, finish reason "abort") and `resume` around an in-flight update."""
+return what they have, finish reason "abort"; or, kept, wait with their KV cache) and
+`resume` around an in-flight update."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ class Generation:
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str  # "stop", "length", or "abort" (an update interrupted it: continue it)
+    swaps: list[int] = dataclasses.field(default_factory=list)
+    """Updates that kept this request running (`pause(keep=True)`): how many of its tokens it
+    had at each, in order; the tokens after one were sampled by the weights it loaded."""
 
 
 class Engine(Protocol):
@@ -121,6 +125,9 @@ class VLLMEngine:
         self.workers = actor.tensor_parallel_size
         self._SamplingParams, self._kinds = SamplingParams, RequestOutputKind
         self._ids = itertools.count()
+        self._swaps: dict[str, list[int]] = {}  # the requests in the engine: their token counts at kept updates
+        self._loads = 0  # weight loads so far: each request's cache salt, so no request reuses another version's KV
+        self._kept = False  # paused with the running requests kept
         self.params = dict(temperature=actor.temperature, logprobs=0, detokenize=False)
         self.set_stop(actor.stop)
 
@@ -139,8 +146,15 @@ class VLLMEngine:
         logprobs: list[float] = []
         finish, finished = None, False
         request_id = f"r{next(self._ids)}"
+        swaps = self._swaps[request_id] = []
         # add_request returns once the request is sent; the engine takes requests and a pause in order.
-        outputs = await self.llm.add_request(request_id, {"prompt_token_ids": prompt_ids}, params)
+        # The salt keeps its prompt off cached blocks of requests sent before the last load, and theirs off it.
+        try:
+            outputs = await self.llm.add_request(
+                request_id, {"prompt_token_ids": prompt_ids, "cache_salt": f"w{self._loads}"}, params)
+        except BaseException:
+            del self._swaps[request_id]
+            raise
         if sent is not None:
             sent()
         try:
@@ -162,16 +176,32 @@ class VLLMEngine:
                         finish = "stop"
                         break
         finally:
+            del self._swaps[request_id]
             if not finished:  # left early (a stop sequence, or cancelled): end it in the engine
                 await self.llm.abort(request_id)
-        return Generation(turn[first:], logprobs, finish or "length")
+        return Generation(turn[first:], logprobs, finish or "length", swaps)
 
     async def load_weights(self, path: str) -> None:
         """The weights of `path`, in place, and the prefix cache emptied: its KV was computed by
-        the old weights, and a prompt that hit it would be labelled with the new version. In
-        either update mode: an interrupting update's pause empties it too, a draining one's
-        does not (the gate loads once no call is in flight, so every block is free)."""
-        await self.llm.collective_rpc("omrl_reload_weights", args=(path,))
+        the old weights, and a prompt that hit it would be labelled with the new version. An
+        interrupting update's pause empties it too, a draining one's does not (the gate loads
+        once no call is in flight, so every block is free). Paused with requests kept, their
+        blocks are in use and it cannot be emptied: each request's cache salt (the loads before
+        it) keeps later requests off them; each kept request notes how many tokens it had (the
+        worker's count, taken while nothing runs: outputs still on their way to the request's
+        stream are counted). A load that fails then aborts the kept requests: they must not go
+        on with weights half loaded."""
+        try:
+            counts = (await self.llm.collective_rpc("omrl_reload_weights", args=(path,)))[0]
+        except BaseException:
+            if self._kept:
+                await self.llm.pause_generation(mode="abort", clear_cache=True)
+            raise
+        self._loads += 1
+        if self._kept:
+            for request_id, swaps in self._swaps.items():
+                swaps.append(counts.get(request_id, 0))  # not in the worker: never scheduled, no tokens yet
+            return
         for attempt in range(RESET_ATTEMPTS):
             if await self.llm.reset_prefix_cache():
                 return
@@ -179,11 +209,15 @@ class VLLMEngine:
         raise RuntimeError(f"vLLM kept refusing to empty its prefix cache after loading {path} (blocks still in "
                            f"use): generating now would reuse KV of the old weights")
 
-    async def pause(self) -> None:
-        """Running requests end now with what they have (finish reason "abort"); new ones wait."""
-        await self.llm.pause_generation(mode="abort", clear_cache=True)
+    async def pause(self, keep: bool = False) -> None:
+        """Between decode steps, running requests end now with what they have (finish reason
+        "abort"), or with `keep` stay in the engine with their KV cache and go on at `resume`;
+        new ones wait either way."""
+        await self.llm.pause_generation(mode="keep" if keep else "abort", clear_cache=not keep)
+        self._kept = keep
 
     async def resume(self) -> None:
+        self._kept = False
         await self.llm.resume_generation()
 
     def shutdown(self) -> None:

@@ -75,9 +75,10 @@ class Policy(Protocol):
 
 
 class ModelPolicy:
-    """The engine samples; the weight gate makes every engine call run on one weight version.
-    A call an update interrupts (finish reason "abort") is continued on the new weights from
-    the tokens it has: each token keeps the version that sampled it."""
+    """The engine samples; the weight gate names the weight version of every token. A call an
+    update interrupts (finish reason "abort") is continued on the new weights from the tokens
+    it has; one an update kept running (keep mode) has its tokens after each swap labelled
+    with the version that swap loaded: each token keeps the version that sampled it."""
 
     def __init__(self, engine: Engine, gate: WeightGate):
         self.engine, self.gate = engine, gate
@@ -88,14 +89,25 @@ class ModelPolicy:
         versions: list[int] = []
         while True:
             async with self.gate.generating() as version:
+                applied = self.gate.applied
                 gen = await self.engine.generate(tokens + ids, budget - len(ids),
                                                  turn_start=len(tokens) if ids else None, sent=self.gate.sent)
+                swapped = self.gate.versions_since(applied, len(gen.swaps))
             ids += gen.token_ids
             logprobs += gen.logprobs
-            versions += [version] * len(gen.token_ids)
+            versions += labels(version, gen.swaps, swapped, len(gen.token_ids))
             if gen.finish_reason != "abort" or len(ids) >= budget:
                 finish = "length" if gen.finish_reason == "abort" else gen.finish_reason
                 return Turn(Generation(ids, logprobs, finish), versions)
+
+
+def labels(version: int, swaps: list[int], swapped: list[int], n: int) -> list[int]:
+    """The version of each of a call's `n` tokens: `version` before its first swap, then each
+    swap's version (`swapped`) from the token count it had then (`swaps`) on."""
+    out = [version] * n
+    for at, new in zip(swaps, swapped):
+        out[at:] = [new] * max(0, n - at)
+    return out
 
 
 @dataclasses.dataclass

@@ -6,18 +6,22 @@ Tensors cannot travel through `collective_rpc` on the CPU build, so the actor pa
 path; the CPU backend repacks linear weights, so
 `model_runner.reload_weights` (which redoes that processing) is used rather than
 `model.load_weights`.
+
+It returns how many output tokens each request in the worker holds (its id as the caller
+gave it: vLLM adds "-" and 8 random characters): with generation paused and the requests
+kept, that is where each request's tokens switch from the old weights to the new.
 """
 
 from __future__ import annotations
 
 
 class WeightReloadExtension:
-    def omrl_reload_weights(self, path: str) -> int:
+    def omrl_reload_weights(self, path: str) -> dict[str, int]:
         from safetensors.torch import load_file
 
-        state = load_file(path)
-        self._omrl_reload(iter(state.items()))
-        return len(state)
+        self._omrl_reload(iter(load_file(path).items()))
+        return {request_id.rsplit("-", 1)[0]: len(state.output_token_ids)
+                for request_id, state in self.model_runner.requests.items()}
 
     def _omrl_reload(self, weights) -> None:
         """Reload in place; then an output layer tied to the embedding, which got no weights of

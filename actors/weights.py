@@ -4,8 +4,9 @@ them in place, from a blob (Redis chunks or a shared file) or over the broadcast
 
 An update either interrupts generation (`actor.update_mode = "interrupt"`: the engine pauses
 between decode steps, running requests come back with the tokens they have, and continue on
-the new weights once it is loaded) or drains it (new requests wait while running ones
-finish). Calls that must run whole on one version (an evaluation) hold the gate `pinned`:
+the new weights once it is loaded), keeps it ("keep": the engine pauses with the running
+requests and their KV cache kept, and they go on on the new weights) or drains it (new
+requests wait while running ones finish). Calls that must run whole on one version (an evaluation) hold the gate `pinned`:
 an update waits for them either way. A load that fails leaves the weights unknown: the gate
 stays closed until a version loads whole."""
 
@@ -15,6 +16,7 @@ import asyncio
 import collections
 import contextlib
 import contextvars
+import functools
 import logging
 import os
 import tempfile
@@ -58,12 +60,17 @@ class WeightGate:
     in the engine (`sent()`, called by the engine once the request is sent): requests and the
     pause travel in order, so a request sent before the pause ran on the old weights (and is
     aborted with them), and one sent after waits for the new. Every token is then labelled
-    with the version that produced it, exactly."""
+    with the version that produced it, exactly. A pause that keeps the requests (keep mode)
+    goes the same way; a kept request's tokens after the swap are the new version's, which
+    `versions_since` names (the engine counts where each swap fell: `Generation.swaps`)."""
+
+    HISTORY = 256  # versions applied that `versions_since` remembers
 
     def __init__(self, version: int = 0, pause: Callable[[], Awaitable[None]] | None = None,
                  resume: Callable[[], Awaitable[None]] | None = None):
         self.version = version
         self.applied = 0
+        self._history: collections.deque[int] = collections.deque(maxlen=self.HISTORY)  # the last versions applied
         self.failed = 0  # loads that failed
         self._pause, self._resume = pause, resume
         self._in_flight = 0
@@ -132,6 +139,14 @@ class WeightGate:
             if not self._unsent:
                 self._all_sent.set()
 
+    def versions_since(self, applied: int, count: int) -> list[int]:
+        """The versions of the `count` updates applied after the first `applied` (a call read
+        `applied` as it began; the updates it ran through, kept, in order)."""
+        first = self.applied - len(self._history)  # the number of the oldest update remembered, less one
+        if count and applied < first:
+            raise RuntimeError(f"a call ran through more than {self.HISTORY} updates: their versions are forgotten")
+        return list(self._history)[applied - first:applied - first + count]
+
     async def apply(self, version: int, load: Callable[[], Awaitable[int | None]]) -> None:
         """Stop new generate calls, interrupt (or wait for) those in flight, load, then resume.
         `load` may return the version it loaded (broadcast: the learner's newest)."""
@@ -155,11 +170,19 @@ class WeightGate:
             self._broken = False
             self.version = version if loaded is None else loaded
             self.applied += 1
+            self._history.append(self.version)
         finally:
             async with self._cond:
                 self._updating = False
                 self.update_s += time.monotonic() - started
                 self._cond.notify_all()
+
+
+def update_gate(mode: str, engine) -> WeightGate:
+    """The gate of actor.update_mode for `engine` (one without a pause drains)."""
+    if mode == "drain" or not hasattr(engine, "pause"):
+        return WeightGate(0)
+    return WeightGate(0, pause=functools.partial(engine.pause, keep=mode == "keep"), resume=engine.resume)
 
 
 class BroadcastLink:

@@ -41,7 +41,7 @@ from actors.engine import Engine, VLLMEngine
 from actors.episode import EpisodeSetup, ModelPolicy, run_episode
 from actors.evaluate import GatedModelPolicy, evaluate
 from actors.templates import make_template
-from actors.weights import BroadcastLink, WeightGate, apply_newest, receive_weights
+from actors.weights import BroadcastLink, apply_newest, receive_weights, update_gate
 from broker.admission import Admission
 from broker.connection import connect
 from broker.evals import publish_eval
@@ -134,9 +134,7 @@ class Actor:
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, self.stop.set)
         self.store = WeightStore(client, keys)
-        interrupt = cfg.actor.update_mode == "interrupt" and hasattr(self.engine, "pause")
-        self.gate = (WeightGate(0, pause=self.engine.pause, resume=self.engine.resume) if interrupt
-                     else WeightGate(0))
+        self.gate = update_gate(cfg.actor.update_mode, self.engine)
         # The transport is the learner's choice, read from each version's record.
         self.weights_dir = tempfile.mkdtemp(prefix="omrl-weights-")
         self.link = BroadcastLink(f"{self.name}|{self.incarnation}", self.weights_dir, cfg.weights.timeout_s)

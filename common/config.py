@@ -178,14 +178,17 @@ class ActorConfig(Section):
     max_model_len: int | None = Field(None, ge=16)
     """The engine's context length (unset: actor.max_seq_len)."""
     enable_prefix_caching: bool = True
-    """Reuse the KV cache of shared prefixes (a group's episodes share their prompt); reset on every
-    weight update."""
+    """Reuse the KV cache of shared prefixes (a group's episodes share their prompt); emptied at every
+    weight update but a kept one (its requests hold blocks), and never shared across an update."""
     enforce_eager: bool | None = None
     """Run without CUDA graphs (unset: only on CPU, where there are none)."""
-    update_mode: Literal["interrupt", "drain"] = "interrupt"
+    update_mode: Literal["interrupt", "drain", "keep"] = "interrupt"
     """How a weight update meets running requests. interrupt: generation pauses between decode steps,
     the update is applied, and each request continues with its tokens kept (those after carry the new
-    version); drain: new requests wait while running ones finish, then the update is applied."""
+    version; its context is computed again on the new weights); keep: the same pause, but running
+    requests stay in the engine with their KV cache of the old weights and go on (no recomputation;
+    tokens after carry the new version, sampled over the old KV, as PipelineRL does); drain: new
+    requests wait while running ones finish, then the update is applied."""
     seed: int = 0
     """Base seed; actor i uses seed + i (a restarted process mixes in how often its name started).
     An actor started with no --index (a scaled replica) gets the lowest free index from Redis."""

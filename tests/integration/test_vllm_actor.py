@@ -172,6 +172,59 @@ def test_an_update_interrupts_a_turn_which_continues_on_the_new_weights(engine, 
     assert gate.update_s < 5.0
 
 
+def test_a_kept_update_goes_on_in_the_same_request_with_exact_versions(engine, cfg, loop, tmp_path):
+    """keep mode: an update lands while a turn generates; the request is not aborted (one engine
+    call, no continuation), and the engine's count of its tokens at the swap cuts them exactly:
+    before it the old weights' log-probs, from the first token after it not (the new weights,
+    sampling over the KV the old ones computed)."""
+    from actors.episode import ModelPolicy
+    from actors.weights import update_gate
+
+    old, new = load_causal_lm(cfg.model.path), perturbed(cfg.model.path, 0.5, seed=1)
+    old_path, new_path = tmp_path / "old.safetensors", tmp_path / "new.safetensors"
+    Trainer(old, cfg.learner).save_weights(old_path)
+    Trainer(new, cfg.learner).save_weights(new_path)
+    prompt = engine.tokenizer.encode("U: Say c", add_special_tokens=False)
+
+    class Counting:
+        def __init__(self):
+            self.calls = 0
+
+        async def generate(self, *args, **kwargs):
+            self.calls += 1
+            return await engine.generate(*args, **kwargs)
+
+    async def run():
+        await engine.load_weights(str(old_path))
+        gate, counting = update_gate("keep", engine), Counting()
+        turn = asyncio.create_task(ModelPolicy(counting, gate).act(prompt, 120, env_id=0))
+        await asyncio.sleep(0.1)
+        await gate.apply(1, lambda: engine.load_weights(str(new_path)))
+        return await turn, gate, counting.calls
+
+    engine.set_stop([])
+    engine.params["ignore_eos"] = True  # the turn runs its 120 tokens: the update lands inside it
+    try:
+        for _ in range(8):  # the update may land before the first token
+            turn, gate, calls = loop.run_until_complete(run())
+            if 0 in turn.version and 1 in turn.version:
+                break
+        else:
+            pytest.fail("no turn had a token of each version in 8 tries")
+    finally:
+        engine.params.pop("ignore_eos")
+        engine.set_stop(cfg.actor.stop)
+    versions = np.asarray(turn.version)
+    cut = int(np.argmax(versions == 1))
+    assert calls == 1 and turn.generation.finish_reason == "length" and len(turn.generation.token_ids) == 120
+    assert 0 < cut < 120 and (versions[:cut] == 0).all() and (versions[cut:] == 1).all()
+    lp = np.asarray(turn.generation.logprobs)
+    old_lp = hf_logprobs(old, prompt + turn.generation.token_ids)[len(prompt):].numpy()
+    np.testing.assert_allclose(lp[:cut], old_lp[:cut], atol=2e-3)
+    assert abs(lp[cut] - old_lp[cut]) > 1e-2  # the first token of the new version is the new weights'
+    assert gate.update_s < 5.0
+
+
 def test_a_stop_string_of_several_tokens_ends_the_turn_with_its_tokens_as_sampled(engine, cfg, loop):
     """Greedy, so the continuation is known: a stop sequence taken from the middle of it ends
     the generation right after its first occurrence, through the streaming (DELTA) path; with a

@@ -30,10 +30,16 @@ def test_set_parses_toml_literals_and_plain_strings():
     ("actor.group_size=1", "actor.group_size"),
     ("learner.no_such_knob=1", "learner.no_such_knob"),
     ("learner.algorithm=ppo2", "learner.algorithm"),
+    ("actor.update_mode='kept'", "actor.update_mode"),
 ])
 def test_bad_values_name_the_field(override, field):
     with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
         load_config(None, [override], environ={})
+
+
+def test_every_update_mode_is_accepted():
+    for mode in ("interrupt", "drain", "keep"):
+        assert load_config(None, [f"actor.update_mode='{mode}'"], environ={}).actor.update_mode == mode
 
 
 def test_bad_override_syntax_explains_the_form():

@@ -182,6 +182,7 @@ def test_every_load_empties_the_prefix_cache_even_without_a_pause():
 
         async def collective_rpc(self, name, args):
             self.calls.append(name)
+            return [{}]  # each worker's requests: none
 
         async def reset_prefix_cache(self):
             self.calls.append("reset")
@@ -189,6 +190,7 @@ def test_every_load_empties_the_prefix_cache_even_without_a_pause():
             return self.refusals < 0
 
     engine = object.__new__(VLLMEngine)  # the engine's own load, on a stub of vLLM
+    engine._swaps, engine._loads, engine._kept = {}, 0, False
     gate = WeightGate(0)  # drain mode: no pause, no resume
     engine.llm = StubLLM(refusals=2)
     asyncio.run(gate.apply(1, lambda: engine.load_weights("/w")))
@@ -197,3 +199,106 @@ def test_every_load_empties_the_prefix_cache_even_without_a_pause():
     with pytest.raises(RuntimeError, match="prefix cache"):
         asyncio.run(gate.apply(2, lambda: engine.load_weights("/w")))
     assert gate.broken and gate.version == 1 and engine.llm.calls.count("reset") == RESET_ATTEMPTS
+
+
+class KeepingEngine:
+    """A fake engine that samples one token per 10 ms while not paused; `pause(keep=True)` holds
+    its requests where they are, and a load notes each one's token count, as VLLMEngine does."""
+
+    def __init__(self):
+        self.running, self.requests, self.calls = asyncio.Event(), {}, 0
+        self.running.set()
+
+    async def generate(self, prompt_ids, max_tokens, temperature=None, turn_start=None, sent=None):
+        from actors.engine import Generation
+
+        self.calls += 1
+        tokens, swaps = [], []
+        self.requests[id(tokens)] = (tokens, swaps)
+        sent()
+        while len(tokens) < max_tokens:
+            await self.running.wait()
+            tokens.append(len(tokens))
+            await asyncio.sleep(0.01)
+        del self.requests[id(tokens)]
+        return Generation(tokens, [0.0] * len(tokens), "length", swaps)
+
+    async def pause(self, keep=False):
+        assert keep
+        self.running.clear()
+
+    async def load_weights(self, path):
+        for tokens, swaps in self.requests.values():
+            swaps.append(len(tokens))
+
+    async def resume(self):
+        self.running.set()
+
+
+def test_a_kept_update_labels_tokens_after_each_swap_with_its_version_without_a_continuation():
+    """keep mode: a turn runs through two updates in one engine call (no abort, no continuation);
+    its tokens before the first swap are version 0, then 3, then 4, cut where the engine counted
+    them; a turn that starts after an update runs on its version alone."""
+    from actors.episode import ModelPolicy, labels
+    from actors.weights import update_gate
+
+    async def scenario():
+        engine = KeepingEngine()
+        gate = update_gate("keep", engine)
+        policy = ModelPolicy(engine, gate)
+        turn = asyncio.create_task(policy.act([1, 2], 40, env_id=0))
+        for version in (3, 4):
+            await asyncio.sleep(0.1)
+            await gate.apply(version, lambda: engine.load_weights("/w"))
+        later = await policy.act([1], 5, env_id=0)
+        return await turn, later, engine
+
+    turn, later, engine = asyncio.run(scenario())
+    versions = turn.version
+    swaps = [versions.index(3), versions.index(4)]
+    assert engine.calls == 2 and turn.generation.finish_reason == "length" and len(versions) == 40
+    assert 0 < swaps[0] < swaps[1] < 40 and versions == labels(0, swaps, [3, 4], 40)
+    assert later.version == [4] * 5
+    assert labels(0, [2, 9], [1, 2], 4) == [0, 0, 1, 1]  # a swap past the call's last token: none of them
+
+
+def test_a_kept_load_counts_each_request_s_tokens_and_a_failed_one_aborts_them():
+    """VLLMEngine paused with its requests kept: the load records each request's token count as
+    the worker reports it (0 for one not yet scheduled) and leaves the prefix cache alone (its
+    blocks are in use: the cache salt keeps later requests off them); a load that fails aborts
+    the kept requests, which must not go on with weights half loaded."""
+    import pytest
+
+    from actors.engine import VLLMEngine
+
+    class StubLLM:
+        def __init__(self, fail=False):
+            self.calls, self.fail = [], fail
+
+        async def collective_rpc(self, name, args):
+            self.calls.append(name)
+            if self.fail:
+                raise RuntimeError("the file is truncated")
+            return [{"r0": 7}]
+
+        async def pause_generation(self, mode, clear_cache):
+            self.calls.append(mode)
+
+        async def resume_generation(self):
+            self.calls.append("resume")
+
+        async def reset_prefix_cache(self):
+            self.calls.append("reset")
+            return True
+
+    engine = object.__new__(VLLMEngine)
+    engine._swaps, engine._loads, engine._kept = {"r0": [], "r1": []}, 0, False
+    engine.llm = StubLLM()
+    gate = WeightGate(0, pause=lambda: engine.pause(keep=True), resume=engine.resume)
+    asyncio.run(gate.apply(1, lambda: engine.load_weights("/w")))
+    assert engine.llm.calls == ["keep", "omrl_reload_weights", "resume"] and engine._loads == 1
+    assert engine._swaps == {"r0": [7], "r1": [0]}
+    engine.llm = StubLLM(fail=True)
+    with pytest.raises(RuntimeError, match="truncated"):
+        asyncio.run(gate.apply(2, lambda: engine.load_weights("/w")))
+    assert engine.llm.calls == ["keep", "omrl_reload_weights", "abort", "resume"] and gate.broken
