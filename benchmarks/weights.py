@@ -50,17 +50,23 @@ applied version with an RPUSH that the driver BLPOPs.
 
 Update modes, in one process on the tiny model (`python -m benchmarks.weights --update-modes`):
 one VLLMEngine with `concurrency` ModelPolicy.act loops of `tokens`-token turns (no stop
-strings, end-of-sequence ignored: every turn runs its length), and `updates` updates of the
-model's own file through `WeightGate.apply` -> `VLLMEngine.load_weights`, `spacing_s` of
-generation apart; interrupt (the gate pauses the engine: running requests come back and
-continue on the new weights) and drain (the baseline: new calls wait while running ones
-finish) alternate, on fresh gates. Per update: the gate's update_s (from the update's start
-until generation may go on: for drain that includes waiting for the running turns, which
-still generate meanwhile, fewer and fewer) and blocked_s (seconds generate calls waited at
-the gate, summed over calls: what the turns lost); and tokens/s over the whole run, from
-the first turn to the end of the last (each loop finishes its turn after the last update).
-Ratio interrupt / drain, repetition by repetition: below 1 when interrupting holds
-generation back less (lower is better for the seconds; for tokens/s higher is better).
+strings, end-of-sequence ignored: every turn runs its length), each loop on a prompt of its
+own of random letters that ends its turns at `context` tokens (2048 and 4096; the prompt
+comes from the prefix cache turn after turn, as an episode's next turn would), and
+`updates` updates of the model's own file through `WeightGate.apply` ->
+`VLLMEngine.load_weights`, `spacing_s` of generation apart; interrupt (the gate pauses the
+engine: running requests come back and continue on the new weights, their contexts computed
+again), keep (the same pause, the requests kept with their KV: they go on where they were)
+and drain (the baseline: new calls wait while running ones finish) alternate, on fresh
+gates, the KV cache sized for every loop's longest context (kv_cache_mb, with a quarter
+over: no preemption). Per update: the gate's update_s (from the update's start until
+generation may go on: for drain that includes waiting for the running turns, which still
+generate meanwhile, fewer and fewer) and blocked_s (seconds generate calls waited at the
+gate, summed over calls: what the turns lost); and tokens/s over the whole run, from the
+first turn to the end of the last (each loop finishes its turn after the last update).
+Ratios repetition by repetition, interrupt / drain, keep / drain and keep / interrupt: below
+1 for the seconds when the system holds generation back less (lower is better), above 1 for
+tokens/s when it generates more.
 
 `device="cuda"` is minimal: the learner's copy of the model moves to the GPU (so
 serialisation includes the copy off it) and vLLM picks the GPU itself; one actor per GPU
@@ -73,6 +79,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import shutil
 import signal
@@ -97,7 +104,9 @@ STEP_TIMEOUT_S = 300.0  # for one version to reach every actor
 SPLIT = ("serialise", "publish", "wake-up", "fetch", "gate", "load", "resume")
 BASELINE_SPLIT = ("SET", "notify", "GET")
 REDIS_ARGS = ["--proto-max-bulk-len", "2gb"]  # the baseline's one value of the largest blob
-UPDATE_MODES = ("interrupt", "drain")  # the system, then its baseline
+UPDATE_MODES = ("interrupt", "keep", "drain")  # the systems, then their baseline
+# Each figure of a system against its baseline in the same run: both against drain, keep against interrupt.
+MODE_PAIRS = (("interrupt", "drain"), ("keep", "drain"), ("keep", "interrupt"))
 PROMPT = "U: Say e"
 
 
@@ -112,6 +121,10 @@ class Updates:
 
 
 UPDATES, QUICK_UPDATES = Updates(16, 200, 5, 1.0), Updates(4, 32, 2, 0.3)
+# Contexts in tokens at the end of a turn: a prompt of its own per turn loop (context - tokens), reused
+# turn after turn (from the prefix cache, as an episode's next turn), then the turn's tokens.
+CONTEXTS, QUICK_CONTEXTS = (2048, 4096), (64, 128)
+KV_MARGIN = 1.25  # KV cache over what the turns in flight hold at their longest: no preemption
 UPDATES_TIMEOUT_S = 1800.0  # for the whole update-mode process, engine start included
 
 
@@ -296,18 +309,18 @@ async def _receiver(args: argparse.Namespace) -> None:
 # ---- update modes: one engine, generation under updates ------------------------------------
 
 
-async def _update_run(engine, prompt: list[int], weights: str, mode: str, shape: Updates) -> dict:
-    """`shape.concurrency` turns generating in a loop while `shape.updates` updates go through a
-    fresh gate of `mode`; the gate's counters per update, and the run's token rate."""
+async def _update_run(engine, prompts: list[list[int]], weights: str, mode: str, shape: Updates) -> dict:
+    """`shape.concurrency` turn loops, one per prompt, generating while `shape.updates` updates go
+    through a fresh gate of `mode`; the gate's counters per update, and the run's token rate."""
     from actors.episode import ModelPolicy
-    from actors.weights import WeightGate
+    from actors.weights import update_gate
 
-    gate = WeightGate(0, pause=engine.pause, resume=engine.resume) if mode == "interrupt" else WeightGate(0)
+    gate = update_gate(mode, engine)
     policy = ModelPolicy(engine, gate)
     stop = asyncio.Event()
     tokens = 0
 
-    async def turns() -> None:
+    async def turns(prompt: list[int]) -> None:
         nonlocal tokens
         while not stop.is_set():
             turn = await policy.act(prompt, shape.tokens, env_id=0)
@@ -315,8 +328,8 @@ async def _update_run(engine, prompt: list[int], weights: str, mode: str, shape:
 
     started = time.monotonic()
     async with asyncio.TaskGroup() as tg:
-        for _ in range(shape.concurrency):
-            tg.create_task(turns())
+        for prompt in prompts:
+            tg.create_task(turns(prompt))
         for version in range(1, shape.updates + 1):
             await asyncio.sleep(shape.spacing_s)
             await gate.apply(version, lambda: engine.load_weights(weights))
@@ -328,18 +341,33 @@ async def _update_run(engine, prompt: list[int], weights: str, mode: str, shape:
             "seconds": seconds, "busy": gate.generating_s / seconds}
 
 
+def kv_cache_mb(model: str, concurrency: int, context: int) -> int:
+    """MiB of KV cache that hold `concurrency` turns of `context` tokens, with KV_MARGIN: a key and
+    a value per layer and key-value head, float32."""
+    config = json.loads((Path(model) / "config.json").read_text())
+    head = config["hidden_size"] // config["num_attention_heads"]
+    per_token = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * head * 4
+    return math.ceil(concurrency * context * per_token * KV_MARGIN / 2**20)
+
+
 def _update_modes(args: argparse.Namespace) -> None:
-    """interrupt and drain in turn on one engine, `repeats` times; the result to args.result."""
+    """The update modes in turn on one engine, `repeats` times per context; the result to
+    args.result."""
+    import random
+
     from actors.engine import VLLMEngine
     from common.config import ActorConfig, ModelConfig
 
     shape = QUICK_UPDATES if args.quick else UPDATES
     repeats = QUICK_REPEATS if args.quick else REPEATS
+    contexts = QUICK_CONTEXTS if args.quick else CONTEXTS
     weights = str(Path(args.model) / "model.safetensors")
-    runs: dict[str, list[dict]] = {mode: [] for mode in UPDATE_MODES}
+    kv_mb = kv_cache_mb(args.model, shape.concurrency, max(contexts))
+    actor = ActorConfig(max_seq_len=max(contexts), kv_cache_mb=kv_mb)
+    out = {"shape": dataclasses.asdict(shape), "kv_cache_mb": kv_mb, "contexts": []}
     with asyncio.Runner() as runner:
         async def start():
-            engine = VLLMEngine(ModelConfig(path=args.model, dtype="float32"), ActorConfig(), args.model, seed=0)
+            engine = VLLMEngine(ModelConfig(path=args.model, dtype="float32"), actor, args.model, seed=0)
             engine.set_stop([])
             # The random model samples its end-of-sequence token about once in 128: ignored, so
             # every turn runs its length and drain waits for whole turns, as with long answers.
@@ -348,20 +376,32 @@ def _update_modes(args: argparse.Namespace) -> None:
             # Untimed: an engine's first reload, generate, pause and resume cost more, once a process.
             await engine.load_weights(weights)
             await engine.generate(prompt, 8)
-            await engine.pause()
-            await engine.resume()
-            return engine, prompt
+            for keep in (False, True):
+                await engine.pause(keep=keep)
+                await engine.resume()
+            return engine
 
-        engine, prompt = runner.run(start())
+        engine = runner.run(start())
+        rng = random.Random(0)
         try:
-            def measure(mode: str) -> float:
-                runs[mode].append(runner.run(_update_run(engine, prompt, weights, mode, shape)))
-                return runs[mode][-1]["update_s"]
+            for context in contexts:
+                letters = [engine.tokenizer.encode("".join(rng.choices("abcdefghijklmnopqrstuvwxyz", k=context)),
+                                                   add_special_tokens=False) for _ in range(shape.concurrency)]
+                prompts = [ids[:context - shape.tokens] for ids in letters]  # a prompt of its own per loop
+                runs: dict[str, list[dict]] = {mode: [] for mode in UPDATE_MODES}
 
-            alternate({mode: lambda m=mode: measure(m) for mode in UPDATE_MODES}, repeats)
+                def measure(mode: str) -> float:
+                    runs[mode].append(runner.run(_update_run(engine, prompts, weights, mode, shape)))
+                    return runs[mode][-1]["update_s"]
+
+                alternate({mode: lambda m=mode: measure(m) for mode in UPDATE_MODES}, repeats)
+                out["contexts"].append({"context": context, "prompt": len(prompts[0]), "runs": runs})
+                tokens_per_s = {m: spread([r["tokens_per_s"] for r in runs[m]])["median"] for m in UPDATE_MODES}
+                print(f"update modes, context {context}: tokens/s " +
+                      ", ".join(f"{m} {v:.0f}" for m, v in tokens_per_s.items()), flush=True)
         finally:
             engine.shutdown()
-    Path(args.result).write_text(json.dumps({"shape": dataclasses.asdict(shape), "runs": runs}))
+    Path(args.result).write_text(json.dumps(out))
 
 
 def measure_update_modes(model: Model, quick: bool, device: str, log_dir: str) -> dict:
@@ -627,9 +667,11 @@ def run(quick: bool, device: str = "cpu") -> dict:
               f"whole state first {memory['runs']['whole'][0]['extra_mb']:.0f} "
               f"(payload {memory['runs']['gathered'][0]['payload_mb']:.0f})", flush=True)
         updates = measure_update_modes(build_model(tmp, *QUICK_MODELS[0]), quick, device, tmp)
-        medians = {mode: spread([r["update_s"] for r in updates["runs"][mode]])["median"] for mode in UPDATE_MODES}
-        print(f"weights: s held back per update, interrupt {medians['interrupt']:.3f}, drain {medians['drain']:.3f} "
-              f"({time.monotonic() - started:.0f} s)", flush=True)
+        for at in updates["contexts"]:
+            medians = {mode: spread([r["update_s"] for r in at["runs"][mode]])["median"] for mode in UPDATE_MODES}
+            print(f"weights: s held back per update at {at['context']} tokens of context, "
+                  + ", ".join(f"{mode} {medians[mode]:.3f}" for mode in UPDATE_MODES)
+                  + f" ({time.monotonic() - started:.0f} s)", flush=True)
         for shape in QUICK_MODELS if quick else MODELS:
             model = build_model(tmp, *shape)
             for point in measure_model(runner, server.url, model, actors, repeats, not quick, device, tmp):
@@ -656,16 +698,7 @@ def _rows(points: list[dict], updates: dict, memory: dict) -> list[dict]:
         rows.append({**row(f"{where}: s publish -> applied in {p['actors']} actors (baseline: Redis SET + GET; "
                            "lower is better)", [r["seconds"] for r in p["system_runs"]],
                            [r["seconds"] for r in p["baseline_runs"]]), "transport": p["transport"], "figure": "s"})
-    shape, runs = updates["shape"], updates["runs"]
-    workload = (f"{updates['model']} params, {shape['concurrency']} turns of {shape['tokens']} tokens, "
-                f"{shape['updates']} updates")
-    for figure, what in (("update_s", "s generation held back per update"),
-                         ("blocked_s", "s generate calls waited at the gate per update, summed over calls"),
-                         ("tokens_per_s", "tokens/s while updating")):
-        better = "higher" if figure == "tokens_per_s" else "lower"
-        rows.append({**row(f"{what}, interrupt vs drain ({workload}; {better} is better)",
-                           [r[figure] for r in runs["interrupt"]], [r[figure] for r in runs["drain"]]),
-                     "figure": figure})
+    rows += _update_rows(updates)
     gathered, whole, file = (memory["runs"][k] for k in ("gathered", "whole", "file"))
     rows.append({**row(f"{memory['model']} params: MB the learner adds while packing a version in bf16 "
                        f"({gathered[0]['payload_mb']:.0f} MB; broadcast), gathered a tensor at a time vs the whole "
@@ -675,6 +708,24 @@ def _rows(points: list[dict], updates: dict, memory: dict) -> list[dict]:
                        f"({file[0]['payload_mb']:.0f} MB; blob, dir), a tensor at a time as gathered vs packing "
                        "from the whole fp32 state first (lower is better)", [r["extra_mb"] for r in file],
                        [r["extra_mb"] for r in whole]), "figure": "publish_file_mb"})
+    return rows
+
+
+def _update_rows(updates: dict) -> list[dict]:
+    """Per context, each update-mode figure of each pair in MODE_PAIRS (system vs baseline)."""
+    shape, rows = updates["shape"], []
+    for at in updates["contexts"]:
+        runs = at["runs"]
+        workload = (f"{updates['model']} params, {shape['concurrency']} turns of {shape['tokens']} tokens at "
+                    f"{at['context']} tokens of context, {shape['updates']} updates")
+        for figure, what in (("tokens_per_s", "tokens/s while updating"),
+                             ("update_s", "s generation held back per update"),
+                             ("blocked_s", "s generate calls waited at the gate per update, summed over calls")):
+            better = "higher" if figure == "tokens_per_s" else "lower"
+            for system, baseline in MODE_PAIRS:
+                rows.append({**row(f"{what}, {system} vs {baseline} ({workload}; {better} is better)",
+                                   [r[figure] for r in runs[system]], [r[figure] for r in runs[baseline]]),
+                             "figure": figure, "modes": [system, baseline], "context": at["context"]})
     return rows
 
 
@@ -710,19 +761,20 @@ def plot(result: dict, path) -> None:
     split.set_title("where the time goes")
     split.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.12), ncol=4)
     updates = result["updates"]
-    figures = (("update_s", "held back"), ("blocked_s", "calls waited"))
-    width = 0.38
+    contexts = updates["contexts"]
+    width = 0.8 / len(UPDATE_MODES)
     for j, mode in enumerate(UPDATE_MODES):
-        runs = updates["runs"][mode]
-        xs = [i + (j - 0.5) * width for i in range(len(figures))]
-        stats = [spread([r[f] for r in runs]) for f, _ in figures]
+        xs = [i + (j - (len(UPDATE_MODES) - 1) / 2) * width for i in range(len(contexts))]
+        stats = [spread([r["tokens_per_s"] for r in at["runs"][mode]]) for at in contexts]
+        held = [spread([r["update_s"] for r in at["runs"][mode]])["median"] for at in contexts]
         modes.bar(xs, [s["median"] for s in stats], width,
                   yerr=[[s["median"] - s["min"] for s in stats], [s["max"] - s["median"] for s in stats]],
-                  capsize=3, label=f"{mode} ({spread([r['tokens_per_s'] for r in runs])['median']:.0f} tokens/s)")
-    modes.set_xticks(range(len(figures)), [label for _, label in figures])
-    modes.set_ylabel("s per update (lower is better)")
+                  capsize=3, label=f"{mode} (s held back per update: " + ", ".join(f"{h:.2f}" for h in held) + ")")
+    modes.set_xticks(range(len(contexts)), [f"{at['context']} tokens" for at in contexts])
+    modes.set_xlabel("context")
+    modes.set_ylabel("tokens/s while updating (higher is better)")
     modes.set_title(f"update modes: {updates['shape']['concurrency']} turns of {updates['shape']['tokens']} tokens")
-    modes.legend(fontsize=8)
+    modes.legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.15))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

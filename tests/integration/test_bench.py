@@ -52,17 +52,22 @@ def check_weights(result):
         finite_positive(row)
     assert {(r["transport"], r["figure"]) for r in rows if "transport" in r} == {
         (t, f) for t in ("blob", "dir", "broadcast") for f in ("MB/s", "s")}
-    assert sorted(r["figure"] for r in rows if "transport" not in r) == ["blocked_s", "publish_file_mb", "publish_mb",
-                                                                         "tokens_per_s", "update_s"]
+    assert sorted(r["figure"] for r in rows if "transport" not in r and "modes" not in r) == ["publish_file_mb",
+                                                                                            "publish_mb"]
+    contexts = [at["context"] for at in result["updates"]["contexts"]]
+    assert len(contexts) == 2 and {(r["context"], r["figure"], *r["modes"]) for r in rows if "modes" in r} == {
+        (c, f, *pair) for c in contexts for f in ("tokens_per_s", "update_s", "blocked_s")
+        for pair in (("interrupt", "drain"), ("keep", "drain"), ("keep", "interrupt"))}
     points = {p["transport"]: p for p in result["points"]}
     assert set(points) == {"blob", "dir", "broadcast"}
     for p in points.values():
         assert sum(p["split"].values()) == pytest.approx(p["system_s"]["median"]), p
     broadcast = points["broadcast"]
     assert broadcast["broadcast_sent"] == len(broadcast["system_runs"]) * broadcast["actors"]  # quick: no warm-up
-    shape, runs = result["updates"]["shape"], result["updates"]["runs"]
-    assert all(r["applied"] == shape["updates"] and r["tokens"] >= shape["concurrency"] * shape["tokens"]
-               for mode in ("interrupt", "drain") for r in runs[mode]), runs
+    shape = result["updates"]["shape"]
+    for at in result["updates"]["contexts"]:
+        assert all(r["applied"] == shape["updates"] and r["tokens"] >= shape["concurrency"] * shape["tokens"]
+                   for mode in ("interrupt", "keep", "drain") for r in at["runs"][mode]), at
 
 
 def check_fanout(result):
