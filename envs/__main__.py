@@ -27,8 +27,9 @@ async def _serve(cfg) -> None:
         return
     pool = WorkerPool(cfg.env.name, cfg.env.options, cfg.env.workers, cfg.env.host, cfg.env.port, cfg.run.log_level)
     started = asyncio.Event()
-    run = asyncio.create_task(pool.run(stop, started))
-    await asyncio.wait([run, asyncio.create_task(started.wait())], return_when=asyncio.FIRST_COMPLETED)
+    run, listening = asyncio.create_task(pool.run(stop, started)), asyncio.create_task(started.wait())
+    await asyncio.wait([run, listening], return_when=asyncio.FIRST_COMPLETED)
+    listening.cancel()  # (still waiting where the pool failed to start: `await run` raises why)
     if started.is_set():
         print(f"env server {where} ({cfg.env.workers} worker processes, ports {pool.ports})", flush=True)
     await run

@@ -164,9 +164,13 @@ class EnvServer:
         return {"open": len(self.instances), **self.stats}
 
     # -- handlers -------------------------------------------------------------------------
+    def label(self) -> str:
+        """What `GET /` says this server is."""
+        return f"{self.env_name} env server"
+
     async def health(self, request: web.Request) -> web.Response:
         c = self.counts()
-        return web.json_response(f"ok: {self.env_name} env server; {c['open']} open, {c['created']} created, "
+        return web.json_response(f"ok: {self.label()}; {c['open']} open, {c['created']} created, "
                                  f"{c['reaped']} reaped, {c['failed']} failed")
 
     async def stats_view(self, request: web.Request) -> web.Response:

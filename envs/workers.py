@@ -124,11 +124,11 @@ class WorkerServer(EnvServer):
     def _count(self) -> None:
         self.loads[self.worker] = len(self.instances)
 
-    async def health(self, request: web.Request) -> web.Response:
-        c = self.counts()
-        return web.json_response(f"ok: {self.env_name} env server, worker {self.worker} of {len(self.ports)}; "
-                                 f"{c['open']} open, {c['created']} created, {c['reaped']} reaped, {c['failed']} failed "
-                                 f"here (GET /stats: every worker's)")
+    def label(self) -> str:
+        return f"{self.env_name} env server, worker {self.worker} of {len(self.ports)} (GET /stats: every worker's)"
+
+    def _own_counts(self) -> dict[str, Any]:
+        return {"env": self.env_name, "pid": os.getpid(), **self.counts()}
 
     async def _free(self, env_id: int) -> None:
         await super()._free(env_id)
@@ -143,12 +143,12 @@ class WorkerServer(EnvServer):
     async def stats_view(self, request: web.Request) -> web.Response:
         """Every worker's counts and their sums (`?local=1`: this worker's alone)."""
         if request.query.get("local"):
-            return web.json_response({"env": self.env_name, "pid": os.getpid(), **self.counts()})
+            return web.json_response(self._own_counts())
 
         async def one(index: int) -> dict[str, Any]:
             counts: dict[str, Any] = {}
             if index == self.worker:
-                counts = {"env": self.env_name, "pid": os.getpid(), **self.counts()}
+                counts = self._own_counts()
             else:
                 with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, ValueError):
                     url = f"http://{self._local}:{self.ports[index]}/stats?local=1"
