@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from actors.engine import Engine, Generation
 from actors.episode import EpisodeSetup, Policy, Turn, run_episode
@@ -111,15 +111,19 @@ def wilson(wins: int, n: int) -> tuple[float, float]:
 
 
 async def evaluate(setup: EpisodeSetup, policy: Policy, tasks: Sequence[int], policy_name: str,
-                   concurrency: int = 64) -> EvalResult:
-    """One episode per task, at most `concurrency` at once; an env or reward failure raises (EpisodeError)."""
+                   concurrency: int = 64, progress: Callable[[], None] | None = None) -> EvalResult:
+    """One episode per task, at most `concurrency` at once, `progress()` after each; an env or
+    reward failure raises (EpisodeError)."""
     if not tasks:
         raise ValueError("no tasks to evaluate")
     limit = asyncio.Semaphore(concurrency)
 
     async def one(task_idx: int) -> Sample:
         async with limit:
-            return await run_episode(setup, policy, task_idx)
+            sample = await run_episode(setup, policy, task_idx)
+        if progress is not None:
+            progress()
+        return sample
 
     try:
         async with asyncio.TaskGroup() as tg:

@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 
+from common.progress import Progress
+
 BENCHMARKS = {"broker": "benchmarks.broker", "pipeline": "benchmarks.pipeline", "weights": "benchmarks.weights",
               "engine": "benchmarks.engine", "learner": "benchmarks.learner", "memory": "benchmarks.memory",
               "shards": "benchmarks.shards", "fanout": "benchmarks.fanout", "env": "benchmarks.env",
@@ -43,6 +45,7 @@ def main(args: argparse.Namespace) -> int:
             return 2
     names = list(BENCHMARKS) if args.name == "all" else [args.name]
     results = {}
+    bar = Progress(len(names) if len(names) > 1 else 0, "benchmarks", "bench")
     for name in names:
         module = importlib.import_module(BENCHMARKS[name])
         started = time.monotonic()
@@ -52,6 +55,8 @@ def main(args: argparse.Namespace) -> int:
         module.plot(result, out / f"{name}.png")
         results[name] = result
         print(f"{name}: {out / f'{name}.json'}, {out / f'{name}.png'} ({result['seconds']:.0f} s)")
+        bar.update(note=name)
+    bar.close()
     print(markdown_table(results))
     # The table covers every benchmark whose result is in OUT, so one benchmark run again
     # (say `omrl bench pipeline --out DIR` after `all`) updates its rows in place.

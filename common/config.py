@@ -306,6 +306,14 @@ class LearnerConfig(Section):
     result lands in metrics.jsonl (eval/...). 0: no evaluation during training."""
     eval_tasks: int = Field(32, ge=1)
     """Held-out tasks per evaluation during training (the first ones of the test split)."""
+    samples_every: int = Field(10, ge=0)
+    """Every this many steps, learner.samples_per_step episodes of the step are kept in RUN_DIR/samples.jsonl
+    (text per turn, token ids, log-probs, versions, advantages, rewards) and sent to the metrics sinks as
+    text; `omrl view RUN_DIR` browses them. 0: none."""
+    samples_per_step: int = Field(4, ge=1)
+    """Episodes kept per kept step: the best, the worst, the others drawn at random."""
+    samples_max_mb: float = Field(64.0, gt=0)
+    """Past this size samples.jsonl becomes samples.1.jsonl (the older one is dropped): at most twice this on disk."""
     consumer: str = Field("learner-0", pattern=r"^[A-Za-z0-9_.-]+$")
     """Consumer name in the group; keep it across restarts so the learner re-reads its own pending entries."""
     threads: int = Field(1, ge=1)
@@ -440,6 +448,19 @@ class RunConfig(Section):
     plugins: list[str] = Field(default_factory=list)
     """Modules of your own (dotted names, importable: installed, or on PYTHONPATH) that every role and
     command imports before any check: they register envs, reward functions and action templates."""
+    metrics: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(default_factory=lambda: ["jsonl", "tensorboard"])
+    """Where the learner's and `omrl sft`'s metrics go. RUN_DIR/metrics.jsonl is always written (plots,
+    `omrl status` and resumes read it); "tensorboard" writes event files in RUN_DIR/tensorboard
+    (`tensorboard --logdir RUN_DIR`), "wandb" a W&B run in RUN_DIR/wandb in run.wandb_mode (pip install
+    'openmanus-rl[metrics]'). What each metric means: docs/reference/metrics.md."""
+    wandb_project: str = "openmanus-rl"
+    """The W&B project of runs with "wandb" in run.metrics; the run is named after RUN_DIR."""
+    wandb_mode: Literal["offline", "online"] = "offline"
+    """offline: W&B writes RUN_DIR/wandb with no account or network (upload later: wandb sync
+    RUN_DIR/wandb/offline-run-*); online: it logs in (WANDB_API_KEY) and sends as it goes."""
+    plot_every_s: float = Field(300.0, ge=0)
+    """`omrl run` redraws RUN_DIR/metrics.png this often while the run goes on, and at its end; 0: only at
+    the end. `omrl plot RUN_DIR` draws it at any time."""
 
 
 class Config(Section):

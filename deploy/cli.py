@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import NamedTuple
+
+from common.progress import QUIET_ENV
 
 
 class Command(NamedTuple):
@@ -20,6 +23,8 @@ COMMANDS: dict[str, Command] = {
     "run": Command("deploy.commands.run",
                    "the embedded default: Redis, env server, actors and learner on this machine"),
     "status": Command("deploy.commands.status", "a run's streams, pending entries, dead letters, actors and learner"),
+    "plot": Command("deploy.commands.plot", "draw RUN_DIR/metrics.png from the run's metrics.jsonl, live or finished"),
+    "view": Command("deploy.view", "browse the episodes a run kept, turn by turn, in a local web page"),
     "eval": Command("deploy.evaluate",
                     "play the held-out tasks of envs: success rate and mean reward with 95%% CIs"),
     # The one import of benchmarks/ (by name): nothing else outside it imports it.
@@ -48,6 +53,8 @@ ROLE_WAIT_S = 30.0  # a role started beside its servers (compose, Kubernetes) gi
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omrl", description="OpenManus-RL: asynchronous actor-learner RL for LLM agents.")
+    parser.add_argument("--quiet", action="store_true",
+                        help="no progress bars or lines from eval, collect, sft, demo and bench (OMRL_QUIET=1)")
     sub = parser.add_subparsers(dest="command", required=True)
     for name, command in COMMANDS.items():
         if command.role:  # dispatched before parsing (main): listed for --help
@@ -68,6 +75,8 @@ def main(argv: list[str] | None = None) -> None:
         module.main(argv[1:], preflight=lambda cfg, debug: _preflight(cfg, role, debug))
         return
     args = build_parser().parse_args(argv)
+    if args.quiet:
+        os.environ[QUIET_ENV] = "1"  # the commands' child processes inherit it
     sys.exit(args.main(args))
 
 

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from common.config import to_toml
+from common.progress import Progress
 
 log = logging.getLogger("omrl.demo")
 
@@ -104,6 +105,9 @@ def task_ids(levels: list[int], seeds: range) -> list[int]:
     return [seed * 40 + level - 1 for seed in seeds for level in levels]
 
 
+STAGES = ("tasks", "model", "collect", "sft", "before", "rl", "after")
+
+
 class Demo:
     def __init__(self, out: Path, args: argparse.Namespace, levels: list[int], rl_levels: list[int]):
         self.out, self.args, self.levels, self.rl_levels = out, args, levels, rl_levels
@@ -111,12 +115,14 @@ class Demo:
         self.skipped: list[str] = []
         self.state_path = out / "stages.json"
         self.done = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        self.bar = Progress(len(STAGES), "stages", "demo")
 
     def stage(self, name: str, body) -> None:
         if name in self.done:
             log.info("stage %s: done before (%.0f s), skipped", name, self.done[name])
             self.times[name] = self.done[name]
             self.skipped.append(name)
+            self.bar.update(note=f"{name} done before")
             return
         log.info("stage %s", name)
         t0 = time.monotonic()
@@ -124,6 +130,7 @@ class Demo:
         self.times[name] = self.done[name] = time.monotonic() - t0
         self.state_path.write_text(json.dumps(self.done, indent=2))
         log.info("stage %s: %.0f s", name, self.times[name])
+        self.bar.update(note=name)
 
     def omrl(self, name: str, *argv: str, overrides: list[str] = ()) -> None:
         """An `omrl` command as a child process, its output in OUT/logs/NAME.log."""

@@ -75,6 +75,7 @@ async def _evaluate_all(cfg: Config, args: argparse.Namespace):
     from actors.episode import EpisodeSetup
     from actors.evaluate import PinnedModelPolicy, ServerPolicy, evaluate
     from actors.templates import make_template
+    from common.progress import Progress
     from envs.client import EnvClient
     from envs.specs import spec_of
     from envs.tasks import task_data, task_split
@@ -96,7 +97,8 @@ async def _evaluate_all(cfg: Config, args: argparse.Namespace):
                     policy = (PinnedModelPolicy(engine, version=0, temperature=args.temperature) if engine
                               else ServerPolicy(setup, args.policy))
                     log.info("evaluating %s on %d held-out tasks of %s", args.policy, len(tasks), name)
-                    results.append(await evaluate(setup, policy, tasks, args.policy))
+                    with Progress(len(tasks), "episodes", f"{args.policy} on {name}") as bar:
+                        results.append(await evaluate(setup, policy, tasks, args.policy, progress=bar.update))
                     await client.close_kept()
     finally:
         if engine is not None:

@@ -34,9 +34,12 @@ def plot_metrics(metrics_path: str | Path, out_path: str | Path) -> Path:
             errorbar_ci(ax, x, y, ci, "o-", label=label)
         _finish(ax, "held-out tasks, greedy (95% CI)")
     fig.tight_layout()
-    fig.savefig(out_path, dpi=100)
+    out_path = Path(out_path)
+    partial = out_path.with_name(f".{out_path.name}.partial")  # a reader never sees half a file
+    fig.savefig(partial, dpi=100, format=out_path.suffix.lstrip(".") or "png")
     plt.close(fig)
-    return Path(out_path)
+    partial.replace(out_path)
+    return out_path
 
 
 def errorbar_ci(ax, x, y, ci, fmt, **kw) -> None:

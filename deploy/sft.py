@@ -83,8 +83,9 @@ async def fine_tune(cfg: Config, data: list[str], out: Path) -> Path:
     """Fine-tune cfg.model.path on the episodes of the `data` files by cfg.sft; the model, saved in `out`."""
     import torch
 
-    from common.metrics import JsonlSink
+    from common.metrics import Sinks
     from common.models import load_causal_lm, save_policy
+    from common.progress import Progress
     from deploy.evaluate import ModelPlayer, eval_row
     from envs.tasks import task_split
     from learner.host_memory import return_freed_memory
@@ -122,7 +123,7 @@ async def fine_tune(cfg: Config, data: list[str], out: Path) -> Path:
              "on" if cfg.learner.gradient_checkpointing else "off")
     out.mkdir(parents=True, exist_ok=True)
     (out / "sft_metrics.jsonl").unlink(missing_ok=True)
-    sink = JsonlSink(out / "sft_metrics.jsonl")
+    sink = Sinks(out, cfg.run, cfg.model_dump(mode="json", exclude_none=True), jsonl="sft_metrics.jsonl")
     async with contextlib.AsyncExitStack() as stack:
         player = await stack.enter_async_context(ModelPlayer(cfg, eval_env)) if tasks else None
 
@@ -134,6 +135,7 @@ async def fine_tune(cfg: Config, data: list[str], out: Path) -> Path:
             sink.write({"step": 0, "epoch": 0.0, **await held_out(0)})
         rng = random.Random(sft.seed + 1)
         order: list[int] = []
+        bar = stack.enter_context(Progress(total, "steps", "sft"))
         for step in range(1, total + 1):
             if len(order) < sft.batch_size:
                 fresh = list(range(len(train)))
@@ -141,9 +143,7 @@ async def fine_tune(cfg: Config, data: list[str], out: Path) -> Path:
                 order += fresh
             batch, order = [train[i] for i in order[:sft.batch_size]], order[sft.batch_size:]
             metrics = await asyncio.to_thread(trainer.step, batch)
-            if step % 20 == 0 or step == total:
-                log.info("step %d/%d  loss %.4f  lr %.2e  %.0f s", step, total, metrics["sft/loss"],
-                         metrics["sft/lr"], time.monotonic() - started)
+            bar.update(note=f"loss {metrics['sft/loss']:.4f}, lr {metrics['sft/lr']:.2e}")
             if step in eval_steps:
                 row = {"step": step, "epoch": step / steps_per_epoch, **metrics}
                 if held:

@@ -279,9 +279,14 @@ def run(args: argparse.Namespace) -> int:
                  "per process in %.0fs", cfg.actor.num_actors, logs, cfg.supervisor.restart,
                  cfg.supervisor.max_restarts, cfg.supervisor.restart_window_s)
         supervisor = Supervisor(cfg.supervisor, processes, learner)
+        plotted = time.monotonic()
         while not stopping and outcome is None:
             outcome = supervisor.check()
             time.sleep(0.2)
+            if cfg.run.plot_every_s and time.monotonic() - plotted >= cfg.run.plot_every_s:
+                plotted = time.monotonic()
+                if (run_dir / "metrics.jsonl").exists():
+                    _plot(run_dir, quiet=True)
         if stopping:
             log.info("interrupted: stopping every process")
             outcome = 130
@@ -313,13 +318,14 @@ def _report(cfg: Config, run_dir: Path) -> None:
     log.info("%s", format_accounting(groups))
 
 
-def _plot(run_dir: Path) -> None:
+def _plot(run_dir: Path, quiet: bool = False) -> None:
+    """RUN_DIR/metrics.png from what metrics.jsonl holds now (while the run goes on: `quiet`)."""
     from deploy.plots import plot_metrics
 
     try:
         path = plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
-        log.info("plots of reward, throughput and staleness: %s", path)
+        (log.debug if quiet else log.info)("plots of reward, throughput and staleness: %s", path)
     except ImportError:
-        log.info("matplotlib is not installed: no plot written")
+        (log.debug if quiet else log.info)("matplotlib is not installed: no plot written")
     except Exception as exc:  # noqa: BLE001 - a plot must not hide how the run ended
         log.warning("no plot written: %s: %s", type(exc).__name__, exc)

@@ -53,6 +53,7 @@ async def _collect(cfg: Config, args: argparse.Namespace) -> list[dict]:
     from actors.evaluate import ServerPolicy
     from actors.templates import make_template
     from actors.trajectories import collect
+    from common.progress import Progress
     from deploy.evaluate import env_server, tokenizer_of
     from envs.client import EnvClient
     from envs.specs import spec_of
@@ -67,13 +68,9 @@ async def _collect(cfg: Config, args: argparse.Namespace) -> list[dict]:
             client = EnvClient(url, session, cfg.env.timeout_s, spec_of(cfg.env))
             setup = EpisodeSetup(client, tokenizer_of(cfg), cfg.actor, make_template(cfg.actor.action_template),
                                  cfg.env.name, task_data(cfg.env))
-            every = max(1, len(tasks) // 10)
-
-            def progress(done: int) -> None:
-                if done % every == 0 or done == len(tasks):
-                    log.info("collected %d/%d episodes", done, len(tasks))
-
-            return await collect(setup, ServerPolicy(setup, args.policy), args.policy, tasks, progress=progress)
+            with Progress(len(tasks), "episodes", f"collecting {cfg.env.name} ({args.policy})") as bar:
+                return await collect(setup, ServerPolicy(setup, args.policy), args.policy, tasks,
+                                     progress=lambda _done: bar.update())
 
 
 def import_main(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ from broker.admission import announce_step
 from broker.weights import STAGING, WeightStore
 from common.config import Config, require_set
 from common.messages import RolloutGroup, decode_group
-from common.metrics import JsonlSink
+from common.metrics import Sinks
 from common.models import save_policy
 from common.weight_sync import Packed
 from learner.batch import Batch, collate
@@ -43,6 +43,7 @@ from learner.broadcast import BroadcastSender
 from learner.checkpoint import LearnerState, RecentIds, begin, finish, latest_checkpoint, read_state
 from learner.distributed import Single, setup
 from learner.host_memory import return_freed_memory
+from learner.samples import SampleKeeper, as_text
 from learner.trainer import REFERENCE_DTYPE, Trainer
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,10 @@ class Learner:
         self.uncommitted: list[Delivery] = []  # trained on, not yet in a checkpoint
         self.counts = {"duplicates": 0, "stale": 0}
         self.checkpoint_dir = Path(cfg.run.run_dir) / "checkpoints"
+        lcfg = cfg.learner
+        self.keeper = SampleKeeper(cfg.run.run_dir, cfg.model.path, lcfg.samples_every, lcfg.samples_per_step,
+                                   lcfg.samples_max_mb, lcfg.seed)
+        self.kept: list[dict] = []  # the episodes the last step kept, for the metrics sinks
         self.parallel: Single | None = None
         self.trainer: Trainer | None = None
         self.saving: tuple[Future, Path, LearnerState, list[Delivery]] | None = None  # rank 0: a checkpoint
@@ -267,7 +272,7 @@ class Learner:
         if self.state.step >= lcfg.steps:
             log.warning("the checkpoint in %s is at step %d, learner.steps is %d: nothing to do (use a new run dir "
                         "or raise --steps to continue)", self.checkpoint_dir, self.state.step, lcfg.steps)
-        sink = JsonlSink(Path(cfg.run.run_dir) / "metrics.jsonl")
+        sink = Sinks(cfg.run.run_dir, cfg.run, cfg.model_dump(mode="json", exclude_none=True))
         log.info("learner ready: step %d, version %d, %d steps of %d groups, %d rank(s) (%s) on %s", self.state.step,
                  self.state.version, lcfg.steps, lcfg.groups_per_step, self.parallel.world,
                  lcfg.parallel if self.parallel.world > 1 else "single", self.parallel.device)
@@ -295,6 +300,8 @@ class Learner:
                 # The record before the checkpoint: a crash between them trains the step again and
                 # writes its record twice (the last one counts), never a checkpointed step without one.
                 sink.write(record)
+                if self.kept:
+                    sink.text(record["step"], as_text(self.kept))
                 self.checkpoint_s = 0.0
                 if self.state.step % lcfg.checkpoint_every == 0 or self.state.step == lcfg.steps:
                     self._commit(bridge, background=lcfg.checkpoint_async and self.state.step < lcfg.steps)
@@ -352,6 +359,8 @@ class Learner:
         if self.sender is not None:  # broadcast: members, copies sent out of this process, versions delivered
             metrics.update({"weights/members": len(self.sender.members), "weights/sends": self.sender.sends,
                             "weights/sent": self.sender.sent, "weights/groups": self.sender.epochs})
+        self.kept = self.keeper.keep(self.state.step, self.state.version, groups, batch.advantages, staleness.tolist()) \
+            if self.keeper.due(self.state.step) else []
         generated = np.concatenate([s.versions[s.loss_mask.astype(bool)] for g in groups for s in g.samples])
         samples = [s for g in groups for s in g.samples]
         turns = sum(s.num_turns for s in samples)

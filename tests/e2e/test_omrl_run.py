@@ -2,12 +2,14 @@
 two vLLM actors on CPU and the learner, on the default tiny model."""
 
 import json
+import math
 import os
 import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -36,19 +38,40 @@ def omrl(*args: str, **kw) -> subprocess.Popen:
                             stderr=subprocess.STDOUT, text=True, **kw)
 
 
-@pytest.mark.timeout(patience(160))
-def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
+@pytest.fixture(scope="module")
+def default_run(tmp_path_factory) -> SimpleNamespace:
+    """The default run, plus an evaluation on 16 held-out tasks every 40 versions, with weights
+    going by broadcast (one gloo group of the learner and both actors, staged by each actor), its
+    plot redrawn every 10 s while it runs (the default is 300). Shared by this module's tests."""
+    tmp_path = tmp_path_factory.mktemp("default-run")
     run_dir = tmp_path / "run"
     started = time.monotonic()
-    # The default run, plus an evaluation on 16 held-out tasks every 40 versions, with weights
-    # going by broadcast (one gloo group of the learner and both actors, staged by each actor).
-    proc = omrl("run", "--run-dir", str(run_dir), "--set", "learner.eval_every=40", "--set", "learner.eval_tasks=16",
-                "--set", 'weights.transport="broadcast"')
-    out, _ = proc.communicate(timeout=patience(150))
-    elapsed = time.monotonic() - started
+    with open(tmp_path / "out.log", "w+") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir),
+                                 "--set", "learner.eval_every=40", "--set", "learner.eval_tasks=16",
+                                 "--set", 'weights.transport="broadcast"', "--set", "run.plot_every_s=10"],
+                                stdout=log, stderr=subprocess.STDOUT, text=True)
+        live_plots = set()  # the modification times of metrics.png seen while the run went on
+        while proc.poll() is None and time.monotonic() - started < patience(150):
+            time.sleep(1)
+            if (run_dir / "metrics.png").exists() and proc.poll() is None:
+                live_plots.add((run_dir / "metrics.png").stat().st_mtime)
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=10)
+        log.seek(0)
+        out = log.read()
+    return SimpleNamespace(tmp_path=tmp_path, run_dir=run_dir, out=out, returncode=proc.returncode,
+                           elapsed=time.monotonic() - started, live_plots=live_plots)
+
+
+@pytest.mark.timeout(patience(160))
+def test_default_run_learns_and_actors_apply_new_weights(default_run):
+    run_dir, tmp_path, out, elapsed = default_run.run_dir, default_run.tmp_path, default_run.out, default_run.elapsed
+    live_plots = default_run.live_plots
     print(out[-4000:])
     print(f"omrl run took {elapsed:.0f}s")
-    assert proc.returncode == 0, out[-4000:]
+    assert default_run.returncode == 0, out[-4000:]
 
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)) and len(rows) >= 20
@@ -72,6 +95,30 @@ def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
     assert last["weights/members"] == 2 and last["weights/sends"] <= last["weight_version"] + 4, last
     assert last["weights/sent"] >= 2 * last["weights/sends"] - 4, last
     assert (run_dir / "metrics.png").stat().st_size > 0
+    assert len(live_plots) >= 2, "metrics.png was not redrawn while the run went on"
+    # Every number of every record reached TensorBoard (the default sinks), and every key is documented.
+    from tests.metrics_doc import undocumented
+    from tests.unit.test_metrics_sinks import tensorboard_scalars
+
+    scalars = tensorboard_scalars(run_dir / "tensorboard")
+    assert [s for s, _v in scalars["reward/mean"]] == [r["step"] for r in rows]
+    assert [v for _s, v in scalars["reward/mean"]] == pytest.approx(rewards, rel=1e-6)
+    assert {"eval/success", "weights/sends", "learner/grad_norm"} <= set(scalars)
+    assert undocumented(k for r in rows for k in r) == []
+    # Every 10th step kept 4 episodes (the best, the worst, two at random), turn by turn, also as text.
+    from learner.samples import read_samples
+    from tests.unit.test_metrics_sinks import tensorboard_text
+
+    kept = read_samples(run_dir)
+    kept_steps = sorted({k["step"] for k in kept})
+    assert kept_steps == [s for s in range(10, len(rows) + 1, 10)], kept_steps
+    for step in kept_steps:
+        episodes = [k for k in kept if k["step"] == step]
+        assert [k["why"] for k in episodes] == ["best", "worst", "random", "random"]
+        assert episodes[0]["reward"] == max(episodes[0]["group_rewards"] + [k["reward"] for k in episodes])
+        assert all(t["text"] for k in episodes for t in k["turns"])
+        assert {t["role"] for k in episodes for t in k["turns"]} == {"prompt", "model", "observation"}
+    assert [s for s, _text in tensorboard_text(run_dir / "tensorboard", "samples/best")] == kept_steps
     # Evaluations at the first version, then every 40, reached the learner's step records.
     evals = [r for r in rows if "eval/reward" in r]
     versions = [r["eval/version"] for r in evals]
@@ -93,6 +140,100 @@ def test_default_run_learns_and_actors_apply_new_weights(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     [result] = json.loads((tmp_path / "eval.json").read_text())
     assert result["episodes"] == 64 and result["reward"] > evals[0]["eval/reward"] + 0.2, result
+
+
+@pytest.mark.timeout(patience(220))
+def test_omrl_view_shows_the_runs_episodes_in_a_browser(default_run, tmp_path):
+    """`omrl view` on the default run's directory, driven in headless Chromium: the list holds
+    every kept episode, filters narrow it, a click opens an episode turn by turn with its tokens
+    coloured, and the same task across steps lists its episodes. A screenshot is kept."""
+    import shutil
+    import urllib.error
+    import urllib.request
+
+    from broker.embedded import free_port
+    from common.retry import wait_http
+    from learner.samples import read_samples
+
+    chromium, driver = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (chromium and driver):
+        pytest.skip("no chromium and chromedriver on PATH: bash deploy/browser.sh installs Debian's (as root)")
+    webdriver = pytest.importorskip("selenium.webdriver", reason="the test extra's selenium")
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select, WebDriverWait
+
+    kept = read_samples(default_run.run_dir)
+    assert len(kept) >= 40
+    port = free_port()
+    viewer = subprocess.Popen([sys.executable, "-m", "deploy.cli", "view", str(default_run.run_dir), "--port", str(port)],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--window-size=1500,1000"):
+        options.add_argument(flag)
+    browser = None
+    try:
+        wait_http(f"http://127.0.0.1:{port}/api/episodes", 30.0, viewer.poll)
+        with pytest.raises(urllib.error.HTTPError) as missing:  # a bad id: a 404 with a JSON error
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/api/episodes/no-such-id")
+        assert missing.value.code == 404 and "no kept episode" in json.loads(missing.value.read())["error"]
+
+        browser = webdriver.Chrome(service=webdriver.ChromeService(driver), options=options)
+        browser.get(f"http://127.0.0.1:{port}/")
+        wait = WebDriverWait(browser, 20)
+        rows = lambda: browser.find_elements(By.CSS_SELECTOR, "#rows tr")  # noqa: E731
+        wait.until(lambda _b: len(rows()) == len(kept))
+        assert browser.find_element(By.ID, "summary").text == f"{len(kept)} of {len(kept)} kept episodes"
+
+        # Filters: successes only, then the best episodes of steps 50 to 100.
+        Select(browser.find_element(By.ID, "f-success")).select_by_value("true")
+        wait.until(lambda _b: len(rows()) == sum(k["success"] for k in kept))
+        browser.find_element(By.ID, "f-clear").click()
+        wait.until(lambda _b: len(rows()) == len(kept))
+        Select(browser.find_element(By.ID, "f-why")).select_by_value("best")
+        browser.find_element(By.ID, "f-step-min").send_keys("50")
+        browser.find_element(By.ID, "f-step-max").send_keys("100")
+        best = sorted((k for k in kept if k["why"] == "best" and 50 <= k["step"] <= 100), key=lambda k: -k["step"])
+        wait.until(lambda _b: len(rows()) == len(best))
+
+        # The newest of them, opened: its header, its turns, its tokens coloured by log-prob.
+        rows()[0].click()
+        episode = best[0]
+        wait.until(lambda b: b.find_elements(By.ID, "ep-title"))
+        assert browser.find_element(By.ID, "ep-title").text == \
+            f"step {episode['step']}, best: task {episode['task_id']} ({episode['env_name']})"
+        assert browser.find_element(By.ID, "ep-reward").text == f"{episode['reward']:.3f}"
+        turns = browser.find_elements(By.CSS_SELECTOR, "#episode .turn")
+        assert [t.find_element(By.CLASS_NAME, "role").text for t in turns] == [t["role"] for t in episode["turns"]]
+        for shown, turn in zip(turns, episode["turns"]):
+            tokens = shown.find_elements(By.CLASS_NAME, "tok")
+            assert len(tokens) == len(turn["tokens"])
+            colours = [tok.value_of_css_property("background-color") for tok in tokens]
+            if turn["role"] == "model":  # red, the more the less likely the token was: alpha 0.75 (1 - p), in 255ths
+                alphas = [float(c.rsplit(",", 1)[1].rstrip(")")) if c.count(",") == 3 else 1.0 for c in colours]
+                assert all(c.startswith("rgba(220, 50, 40,") or c == "rgb(220, 50, 40)" for c in colours), colours
+                assert alphas == pytest.approx([0.75 * (1 - math.exp(lp)) for lp in turn["logprobs"]], abs=0.005)
+            else:
+                assert set(colours) == {"rgba(0, 0, 0, 0)"}, colours
+        Select(browser.find_element(By.ID, "colour")).select_by_value("mask")
+        model = browser.find_element(By.CSS_SELECTOR, "#episode .turn.model .tok")
+        assert model.value_of_css_property("background-color") == "rgba(60, 170, 90, 0.28)"
+
+        # The same task across steps: every kept episode of it, oldest first.
+        browser.find_element(By.ID, "across-btn").click()
+        same = [k for k in kept if k["task_id"] == episode["task_id"] and k["env_name"] == episode["env_name"]]
+        across = wait.until(lambda b: b.find_elements(By.CSS_SELECTOR, "#across-table tr.row"))
+        assert [int(r.find_element(By.TAG_NAME, "td").text) for r in across] == sorted(k["step"] for k in same)
+        artifacts = Path(os.environ.get("OMRL_TEST_ARTIFACTS", tmp_path))
+        artifacts.mkdir(parents=True, exist_ok=True)
+        assert browser.save_screenshot(str(artifacts / "omrl-view.png"))
+        assert (artifacts / "omrl-view.png").read_bytes()[:4] == b"\x89PNG"
+        print(f"screenshot: {artifacts / 'omrl-view.png'}")
+    finally:
+        if browser is not None:
+            browser.quit()
+        viewer.terminate()
+        viewer.wait(10)
 
 
 @pytest.mark.timeout(patience(80))

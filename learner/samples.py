@@ -1,0 +1,127 @@
+"""What the model says: every `learner.samples_every` steps, `learner.samples_per_step` episodes of
+the step's batch (its best, its worst, the rest drawn at random) are kept in RUN_DIR/samples.jsonl,
+one JSON object each, turn by turn: the text, the token ids and, on the model's turns, each
+token's behaviour log-prob, weight version and advantage, with the episode's rewards. The file
+is bounded: past `learner.samples_max_mb` it becomes samples.1.jsonl (the older one is dropped).
+`omrl view RUN_DIR` browses them; the metrics sinks get them as text."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from common.messages import RolloutGroup
+
+FILE = "samples.jsonl"
+
+
+def turns_of(sample, advantages: np.ndarray, decode, pieces) -> list[dict[str, Any]]:
+    """The sample cut where its loss mask changes: context (the prompt, then each observation)
+    and the model's turns, each with its text, token ids and each token's own text (`pieces`,
+    for colouring tokens); the model's also with per-token log-probs, versions and advantages
+    (rounded: this is for reading, not for training)."""
+    mask = sample.loss_mask.astype(bool)
+    cuts = np.flatnonzero(np.diff(mask.astype(np.int8))) + 1
+    turns, contexts = [], 0
+    for a, b in zip([0, *cuts.tolist()], [*cuts.tolist(), len(mask)]):
+        ids = sample.tokens[a:b]
+        turn: dict[str, Any] = {"text": decode(ids), "tokens": ids.tolist(), "pieces": pieces(ids)}
+        if mask[a]:
+            turn.update(role="model", logprobs=np.round(sample.logprobs[a:b], 4).tolist(),
+                        versions=sample.versions[a:b].tolist(), advantages=np.round(advantages[a:b], 4).tolist())
+        else:
+            turn["role"] = "prompt" if contexts == 0 else "observation"
+            contexts += 1
+        turns.append(turn)
+    return turns
+
+
+def choose(rewards: list[float], count: int, rng: random.Random) -> list[tuple[int, str]]:
+    """(index, why) of `count` episodes: the best, the worst, then others at random."""
+    order = sorted(range(len(rewards)), key=lambda i: rewards[i])
+    picked = [(order[-1], "best")]
+    if len(order) > 1 and count > 1:
+        picked.append((order[0], "worst"))
+    rest = [i for i in range(len(rewards)) if i not in {p for p, _ in picked}]
+    picked += [(i, "random") for i in rng.sample(rest, min(len(rest), count - len(picked)))]
+    return picked[:count]
+
+
+class SampleKeeper:
+    def __init__(self, run_dir: str | Path, tokenizer_path: str, every: int, count: int, max_mb: float, seed: int = 0):
+        self.path = Path(run_dir) / FILE
+        self.every, self.count, self.max_bytes = every, count, int(max_mb * (1 << 20))
+        self.rng = random.Random(seed)
+        self.tokenizer_path = tokenizer_path
+        self._tokenizer = None
+
+    def due(self, step: int) -> bool:
+        return bool(self.every) and step % self.every == 0
+
+    @property
+    def tokenizer(self):
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            self._tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_path)
+        return self._tokenizer
+
+    def _decode(self, ids: np.ndarray) -> str:
+        return self.tokenizer.decode(ids.tolist())
+
+    def _pieces(self, ids: np.ndarray) -> list[str]:
+        return self.tokenizer.batch_decode([[i] for i in ids.tolist()])
+
+    def keep(self, step: int, version: int, groups: list[RolloutGroup], advantages, staleness: list[int]) -> list[dict]:
+        """Choose and write the step's episodes; `advantages` is the batch's (N, T) tensor (rows
+        in the groups' sample order), `staleness` each group's, in optimizer steps."""
+        rows = [(g, gi, s) for gi, g in enumerate(groups) for s in g.samples]
+        kept = []
+        for j, (i, why) in enumerate(choose([s.reward for _g, _gi, s in rows], self.count, self.rng)):
+            group, gi, sample = rows[i]
+            adv = advantages[i, :len(sample.tokens)].float().numpy()
+            kept.append({
+                "id": f"{step}-{j}", "step": step, "weight_version": version, "why": why, "group_id": group.group_id,
+                "actor_id": group.actor_id, "task_id": sample.task_id, "env_name": sample.env_name,
+                "reward": float(sample.reward), "success": bool(sample.success),
+                "turn_rewards": [float(r) for r in sample.turn_rewards], "finish_reason": sample.finish_reason,
+                "invalid_actions": int(sample.invalid_actions), "staleness": int(staleness[gi]),
+                "group_rewards": [float(s.reward) for s in group.samples],
+                "turns": turns_of(sample, adv, self._decode, self._pieces),
+            })
+        lines = "".join(json.dumps(k) + "\n" for k in kept)
+        if self.path.exists() and self.path.stat().st_size + len(lines) > self.max_bytes:
+            self.path.replace(self.path.with_name("samples.1.jsonl"))
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(lines)
+        return kept
+
+
+def as_text(kept: list[dict[str, Any]]) -> dict[str, str]:
+    """The step's kept episodes by tag (samples/best, samples/worst, samples/random-1, ...) as text."""
+    tags, randoms = {}, 0
+    for episode in kept:
+        randoms += episode["why"] == "random"
+        tags[f"samples/{episode['why']}" + (f"-{randoms}" if episode["why"] == "random" else "")] = as_markdown(episode)
+    return tags
+
+
+def as_markdown(episode: dict[str, Any]) -> str:
+    """One kept episode as text for TensorBoard and W&B: its header, then each turn."""
+    head = (f"**{episode['why']}** · reward {episode['reward']:.3f} · success {episode['success']} · task "
+            f"{episode['task_id']} ({episode['env_name']}) · step {episode['step']}, staleness {episode['staleness']}")
+    body = [f"*{t['role']}*: " + t["text"].replace("\n", "  \n") for t in episode["turns"]]
+    return "\n\n".join([head, *body])
+
+
+def read_samples(run_dir: str | Path) -> list[dict[str, Any]]:
+    """Every kept episode of a run, oldest first (the rotated file, then the current one); a line
+    still being written is left out."""
+    from common.metrics import read_jsonl
+
+    paths = [Path(run_dir) / "samples.1.jsonl", Path(run_dir) / FILE]
+    return [row for p in paths if p.exists() for row in read_jsonl(p)]

@@ -1,0 +1,182 @@
+"""The metrics sinks (common/metrics.py): what the learner writes reaches metrics.jsonl, the
+TensorBoard event files and an offline W&B run, each read back with its own reader; a sink
+that fails is dropped while the JSONL goes on; a sink whose package is missing fails before
+the run starts, naming run.metrics; `omrl plot` draws a run's plot at any time."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import struct
+import subprocess
+import sys
+
+import pytest
+
+from common.config import Config, ConfigError, load_config
+from common.metrics import Sinks, read_jsonl
+
+
+def records(n: int = 4) -> list[dict]:
+    return [{"step": s, "time": 1.7e9 + s, "reward/mean": 0.25 * s, "learner/grad_norm": 1.0 / s,
+             "learner/skipped": s == 2, "perf/peak_cuda_gb": math.nan, "batch/group_ids": [f"g{s}"]}
+            for s in range(1, n + 1)]
+
+
+def run_cfg(*sinks: str):
+    return Config.model_validate({"run": {"metrics": list(sinks)}}).run
+
+
+def tensorboard_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def tensorboard_text(log_dir, tag: str) -> list[tuple[int, str]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"tensors": 0})
+    events.Reload()
+    return [(e.step, e.tensor_proto.string_val[0].decode()) for e in events.Tensors(f"{tag}/text_summary")]
+
+
+def wandb_history(run_dir) -> list[dict]:
+    """The history rows of the offline W&B run in RUN_DIR/wandb, read from its .wandb file: a
+    7-byte header, then LevelDB-style blocks of 32 KiB holding records (crc, length, type; a
+    record cut across blocks comes as first, middle and last pieces), each a protobuf Record."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    data, block, pos = path.read_bytes(), 32768, 7
+    assert data[:4] == b":W&B"
+    pieces, rows = b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        _crc, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if left < 7 or (kind == 0 and length == 0):  # the padding at a block's end
+            pos += left
+            continue
+        pieces += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # full, or last piece
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pieces)
+            pieces = b""
+            if record.WhichOneof("record_type") == "history":
+                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                             for item in record.history.item})
+    return rows
+
+
+def test_every_sink_gets_the_records_numbers_and_the_jsonl_everything(tmp_path):
+    pytest.importorskip("wandb", reason="the metrics extra (pip install 'openmanus-rl[metrics]')")
+    sinks = Sinks(tmp_path, run_cfg("jsonl", "tensorboard", "wandb"), {"run": {"run_dir": str(tmp_path)}})
+    assert set(sinks.sinks) == {"tensorboard", "wandb"}
+    for record in records():
+        sinks.write(record)
+        if record["step"] == 2:
+            sinks.text(2, {"samples/best": "**best** · reward 1.000", "samples/worst": "*model*: turn left"})
+    sinks.close()
+
+    assert read_jsonl(tmp_path / "metrics.jsonl")[1]["batch/group_ids"] == ["g2"]  # lists stay in the JSONL
+    assert tensorboard_text(tmp_path / "tensorboard", "samples/worst") == [(2, "*model*: turn left")]
+    scalars = tensorboard_scalars(tmp_path / "tensorboard")
+    assert set(scalars) == {"reward/mean", "learner/grad_norm", "learner/skipped"}  # no NaN, no lists
+    assert scalars["reward/mean"] == [(s, 0.25 * s) for s in range(1, 5)]
+    assert [v for _s, v in scalars["learner/skipped"]] == [0.0, 1.0, 0.0, 0.0]
+
+    history = wandb_history(tmp_path)
+    (table,) = [row for row in history if row.get("samples/_type") == "table-file"]
+    (files,) = (tmp_path / "wandb").glob("offline-run-*/files")
+    assert table["_step"] == 2 and json.loads((files / table["samples/path"]).read_text())["data"] == [
+        ["samples/best", "**best** · reward 1.000"], ["samples/worst", "*model*: turn left"]]
+    assert [row["_step"] for row in history] == [1, 2, 3, 4]
+    assert [row["reward/mean"] for row in history] == [0.25, 0.5, 0.75, 1.0]
+    assert all("perf/peak_cuda_gb" not in row and "batch/group_ids" not in row for row in history)
+    run_id = (tmp_path / "wandb-run-id").read_text().strip()
+    # A restarted learner logs to the same W&B run.
+    again = Sinks(tmp_path, run_cfg("wandb"), {})
+    again.write({"step": 5, "reward/mean": 2.0})
+    again.close()
+    runs = [p.name for p in (tmp_path / "wandb").glob("offline-run-*")]  # offline-run-TIME-ID (-1 within a second)
+    assert len(runs) == 2 and all(f"-{run_id}" in name for name in runs), runs
+
+
+def test_a_failing_sink_is_dropped_and_the_jsonl_goes_on(tmp_path, caplog):
+    sinks = Sinks(tmp_path, run_cfg("tensorboard"), {})
+
+    class Broken:
+        def write(self, record):
+            raise OSError("disk full")
+
+        def close(self):
+            raise AssertionError("a dropped sink is not closed")
+
+    sinks.sinks["broken"] = Broken()
+    with caplog.at_level(logging.WARNING, logger="common.metrics"):
+        for record in records():
+            sinks.write(record)
+    sinks.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
+    assert [r.message for r in caplog.records].count(
+        "metrics sink broken failed (OSError: disk full): dropped; metrics.jsonl goes on") == 1
+    assert [s for s, _v in tensorboard_scalars(tmp_path / "tensorboard")["reward/mean"]] == [1, 2, 3, 4]
+
+
+def test_an_unknown_sink_fails_the_config_and_a_missing_package_fails_the_start(tmp_path, monkeypatch):
+    path = tmp_path / "run.toml"
+    path.write_text('[run]\nmetrics = ["jsonl", "neptune"]\n')
+    with pytest.raises(ConfigError, match=r"run\.metrics"):
+        load_config(path)
+
+    import common.metrics
+    from deploy.preflight import Failed, check_metrics
+
+    monkeypatch.setitem(common.metrics.SINK_PACKAGES, "wandb", "omrl_no_such_package")
+    with pytest.raises(Failed) as failed:
+        check_metrics(Config.model_validate({"run": {"metrics": ["wandb"]}}), None)
+    assert "run.metrics names 'wandb'" in str(failed.value) and "take 'wandb' out of run.metrics" in failed.value.fix
+    assert check_metrics(Config(), None) == "metrics.jsonl, tensorboard"  # the default
+
+
+def test_read_jsonl_leaves_out_a_line_still_being_written(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2}\n{"step": 3, "rew')
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2]
+    path.write_text('{"step": 1}\n{"step": 2}')  # whole, only its newline missing
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2]
+    path.write_text('{"step": 1}\n{"step": 2, "rew\n{"step": 3}\n')  # a broken line inside is an error
+    with pytest.raises(json.JSONDecodeError):
+        read_jsonl(path)
+
+
+def test_omrl_plot_draws_a_run_at_any_time(tmp_path):
+    pytest.importorskip("matplotlib")
+    sinks = Sinks(tmp_path, run_cfg("jsonl"), {})
+    for record in records():
+        sinks.write(record)
+    sinks.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "rew')  # the learner is writing its next line
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "plot", str(tmp_path)], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(tmp_path / "metrics.png")
+    assert (tmp_path / "metrics.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not list(tmp_path.glob(".*partial"))
+    missing = subprocess.run([sys.executable, "-m", "deploy.cli", "plot", str(tmp_path / "nope")],
+                             capture_output=True, text=True)
+    assert missing.returncode == 2 and "metrics.jsonl does not exist" in missing.stderr
+
+
+@pytest.mark.parametrize("learner", [{}, {"algorithm": "ppo"}, {"kl_coef": 0.1, "minibatches": 2}])
+def test_every_metric_of_a_training_step_is_in_the_glossary(tiny_model, learner):
+    from tests.metrics_doc import undocumented
+    from tests.unit.test_trainer import first_step, varied_groups
+
+    _grads, metrics = first_step(tiny_model, varied_groups(), **learner)
+    assert len(metrics) > 10 and undocumented(metrics) == []
+    assert undocumented(["learner/time/forward_s", "reward/mean", "learner/made_up"]) == ["learner/made_up"]
