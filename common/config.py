@@ -313,7 +313,7 @@ class LearnerConfig(Section):
     samples_per_step: int = Field(4, ge=1)
     """Episodes kept per kept step: the best, the worst, the others drawn at random."""
     samples_max_mb: float = Field(64.0, gt=0)
-    """Past this size samples.jsonl becomes samples.1.jsonl (the older one is dropped): at most twice this on disk."""
+    """Past this size samples.jsonl becomes samples.1.jsonl (the older one is dropped): about twice this on disk."""
     consumer: str = Field("learner-0", pattern=r"^[A-Za-z0-9_.-]+$")
     """Consumer name in the group; keep it across restarts so the learner re-reads its own pending entries."""
     threads: int = Field(1, ge=1)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import math
+import numbers
+import shutil
 import uuid
 from pathlib import Path
 from typing import Any
@@ -18,15 +20,48 @@ log = logging.getLogger(__name__)
 
 # The package each optional sink imports (preflight checks it is there before a run starts).
 SINK_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
-WANDB_ID_FILE = "wandb-run-id"  # in the run dir: a restarted learner goes on logging to the same W&B run
+WANDB_ID_FILE = "wandb-run-id"  # in the run dir: a restarted learner logs under the same W&B id
+
+
+def install_hint(name: str) -> str:
+    """What to do when the package of sink `name` is missing."""
+    return (f"pip install {SINK_PACKAGES[name]} (or 'openmanus-rl[metrics]'), or take {name!r} out of "
+            "run.metrics")
+
+
+def chosen_sinks(run_cfg) -> list[str]:
+    """The optional sinks run.metrics names, once each, in its order."""
+    return [name for name in dict.fromkeys(run_cfg.metrics) if name in SINK_PACKAGES]
+
+
+def append_jsonl(path: str | Path):
+    """`path` opened to append lines: a last line a killed writer left unfinished is cut off
+    first, so the next record starts a line of its own."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if path.exists():
+        with open(path, "r+b") as f:
+            end = pos = f.seek(0, 2)
+            keep = 0
+            while pos > 0:  # back to the last newline, a block at a time
+                size = min(pos, 1 << 16)
+                f.seek(pos - size)
+                newline = f.read(size).rfind(b"\n")
+                if newline >= 0:
+                    keep = pos - size + newline + 1
+                    break
+                pos -= size
+            if keep != end:
+                log.warning("%s: cut off an unfinished last line (%d bytes)", path, end - keep)
+                f.truncate(keep)
+    return open(path, "a", encoding="utf-8")
 
 
 class JsonlSink:
     """One JSON object per line, flushed after each, so a crash loses at most one line."""
 
     def __init__(self, path: str | Path):
-        Path(path).parent.mkdir(parents=True, exist_ok=True)
-        self._file = open(path, "a", encoding="utf-8")
+        self._file = append_jsonl(path)
 
     def write(self, record: dict[str, Any]) -> None:
         self._file.write(json.dumps(record, sort_keys=True) + "\n")
@@ -53,17 +88,17 @@ def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The record's finite numbers, the step and the wall time left out (the sinks take those
     apart); lists (group ids, histograms) and text stay in the JSONL."""
     return {k: float(v) for k, v in record.items()
-            if k not in ("step", "time") and type(v) in (int, float, bool) and math.isfinite(v)}
+            if k not in ("step", "time") and isinstance(v, numbers.Real) and math.isfinite(v)}
 
 
 class TensorBoardSink:
     """Event files in RUN_DIR/tensorboard, one scalar series per metric (`tensorboard --logdir RUN_DIR`)."""
 
-    def __init__(self, run_dir: Path, run_cfg, config: dict[str, Any]):
+    def __init__(self, run_dir: Path, cfg):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(log_dir=str(run_dir / "tensorboard"))
-        self.writer.add_text("config", "```\n" + json.dumps(config, indent=2, sort_keys=True) + "\n```", 0)
+        self.writer.add_text("config", "```\n" + json.dumps(_dump(cfg), indent=2, sort_keys=True) + "\n```", 0)
 
     def write(self, record: dict[str, Any]) -> None:
         for key, value in scalars(record).items():
@@ -81,25 +116,31 @@ class TensorBoardSink:
 
 class WandbSink:
     """A W&B run in RUN_DIR/wandb, offline by default (no account, no network), named after the run
-    dir; a restarted learner resumes the same W&B run (its id is kept in RUN_DIR/wandb-run-id)."""
+    dir, its charts against the learner's `step` (a metric of its own: a step trained again after a
+    restart is logged again, not dropped as an old step). A restarted learner logs under the same
+    id (RUN_DIR/wandb-run-id): offline, each start is a folder of its own that `wandb sync` puts
+    into that one run."""
 
-    def __init__(self, run_dir: Path, run_cfg, config: dict[str, Any]):
+    def __init__(self, run_dir: Path, cfg):
         import wandb
 
         id_file = run_dir / WANDB_ID_FILE
         run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
-        id_file.write_text(run_id + "\n")
-        self.run = wandb.init(project=run_cfg.wandb_project, name=run_dir.resolve().name, id=run_id, resume="allow",
-                              dir=str(run_dir), mode=run_cfg.wandb_mode, config=config,
+        self.run = wandb.init(project=cfg.run.wandb_project, name=run_dir.resolve().name, id=run_id, resume="allow",
+                              dir=str(run_dir), mode=cfg.run.wandb_mode, config=_dump(cfg),
                               settings=wandb.Settings(console="off", silent=True))
+        id_file.write_text(run_id + "\n")
+        self.run.define_metric("step")
+        self.run.define_metric("*", step_metric="step")
 
     def write(self, record: dict[str, Any]) -> None:
-        self.run.log(scalars(record), step=record["step"])
+        self.run.log({"step": record["step"], **scalars(record)})
 
     def text(self, step: int, texts: dict[str, str]) -> None:
         import wandb
 
-        self.run.log({"samples": wandb.Table(columns=["tag", "text"], data=[[k, v] for k, v in texts.items()])}, step=step)
+        self.run.log({"step": step, "samples/episodes": wandb.Table(columns=["tag", "text"],
+                                                                      data=[[k, v] for k, v in texts.items()])})
 
     def close(self) -> None:
         self.run.finish()
@@ -109,21 +150,30 @@ SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink}
 
 
 class Sinks:
-    """The JSONL file and every sink `run.metrics` names, written together. A sink that raises is
-    dropped, with a warning naming it, and the others go on: the JSONL is the record."""
+    """The JSONL file and every sink `run.metrics` names, written together. A sink that cannot
+    start stops the start, naming run.metrics; one that raises later is closed and dropped, with a
+    warning naming it, and the others go on: the JSONL is the record. `fresh`: start over in
+    `directory` (the JSONL, the event files and the W&B id of an earlier run there go)."""
 
-    def __init__(self, directory: str | Path, run_cfg, config: dict[str, Any], jsonl: str = "metrics.jsonl"):
+    def __init__(self, directory: str | Path, cfg, jsonl: str = "metrics.jsonl", fresh: bool = False):
         directory = Path(directory)
+        if fresh:
+            (directory / jsonl).unlink(missing_ok=True)
+            (directory / WANDB_ID_FILE).unlink(missing_ok=True)
+            shutil.rmtree(directory / "tensorboard", ignore_errors=True)
         self.jsonl = JsonlSink(directory / jsonl)
         self.sinks: dict[str, Any] = {}
-        for name in dict.fromkeys(run_cfg.metrics):
-            if name in SINKS:
-                try:
-                    self.sinks[name] = SINKS[name](directory, run_cfg, config)
-                except ImportError as exc:
-                    raise ImportError(f"run.metrics names {name!r}, but {exc}: pip install {SINK_PACKAGES[name]} "
-                                      f"(or 'openmanus-rl[metrics]'), or take {name!r} out of run.metrics") from None
-                log.info("metrics also go to %s", name)
+        for name in chosen_sinks(cfg.run):
+            try:
+                self.sinks[name] = SINKS[name](directory, cfg)
+            except Exception as exc:  # noqa: BLE001 - named, with the fix, and the started ones closed
+                self.close()
+                hint = install_hint(name) if isinstance(exc, ImportError) else (
+                    "check run.wandb_mode (online needs WANDB_API_KEY and the network)" if name == "wandb" else
+                    f"take {name!r} out of run.metrics")
+                raise RuntimeError(f"run.metrics names {name!r}, which could not start: {type(exc).__name__}: "
+                                   f"{exc}: {hint}") from None
+            log.info("metrics also go to %s", name)
 
     def write(self, record: dict[str, Any]) -> None:
         self.jsonl.write(record)
@@ -140,12 +190,19 @@ class Sinks:
             except Exception as exc:  # noqa: BLE001 - a sink must not stop training; the JSONL has it all
                 log.warning("metrics sink %s failed (%s: %s): dropped; metrics.jsonl goes on",
                             name, type(exc).__name__, exc)
-                del self.sinks[name]
+                self._close(name)
+
+    def _close(self, name: str) -> None:
+        try:
+            self.sinks.pop(name).close()
+        except Exception as exc:  # noqa: BLE001 - closing must not hide how the run ended
+            log.warning("metrics sink %s did not close cleanly: %s: %s", name, type(exc).__name__, exc)
 
     def close(self) -> None:
         self.jsonl.close()
-        for name, sink in self.sinks.items():
-            try:
-                sink.close()
-            except Exception as exc:  # noqa: BLE001 - closing must not hide how the run ended
-                log.warning("metrics sink %s did not close cleanly: %s: %s", name, type(exc).__name__, exc)
+        for name in list(self.sinks):
+            self._close(name)
+
+
+def _dump(cfg) -> dict[str, Any]:
+    return cfg.model_dump(mode="json", exclude_none=True)

@@ -24,7 +24,7 @@ COMMANDS: dict[str, Command] = {
                    "the embedded default: Redis, env server, actors and learner on this machine"),
     "status": Command("deploy.commands.status", "a run's streams, pending entries, dead letters, actors and learner"),
     "plot": Command("deploy.commands.plot", "draw RUN_DIR/metrics.png from the run's metrics.jsonl, live or finished"),
-    "view": Command("deploy.view", "browse the episodes a run kept, turn by turn, in a local web page"),
+    "view": Command("deploy.commands.view", "browse the episodes a run kept, turn by turn, in a local web page"),
     "eval": Command("deploy.evaluate",
                     "play the held-out tasks of envs: success rate and mean reward with 95%% CIs"),
     # The one import of benchmarks/ (by name): nothing else outside it imports it.

@@ -85,6 +85,7 @@ def main(args: argparse.Namespace) -> int:
     demo.until_rl()
     demo.stage("rl", demo.rl)
     demo.stage("after", lambda: demo.evaluate("rl-model", "after"))
+    demo.bar.close()
     report = demo.report()
     print(report, flush=True)  # before the engines' teardown at exit
     return 0

@@ -245,14 +245,13 @@ def check_gpu(cfg: Config, ctx: Context) -> str:
 
 
 def check_metrics(cfg: Config, ctx: Context) -> str:
-    from common.metrics import SINK_PACKAGES
+    from common.metrics import SINK_PACKAGES, chosen_sinks, install_hint
 
-    sinks = [name for name in dict.fromkeys(cfg.run.metrics) if name in SINK_PACKAGES]
+    sinks = chosen_sinks(cfg.run)
     for name in sinks:
         if importlib.util.find_spec(SINK_PACKAGES[name]) is None:
             raise Failed(f"run.metrics names {name!r}, but the {SINK_PACKAGES[name]} package is not installed",
-                         f"pip install {SINK_PACKAGES[name]} (or 'openmanus-rl[metrics]'), or take {name!r} out of "
-                         "run.metrics")
+                         install_hint(name))
     return "metrics.jsonl" + "".join(f", {name}" for name in sinks)
 
 

@@ -122,9 +122,9 @@ async def fine_tune(cfg: Config, data: list[str], out: Path) -> Path:
     log.info("training on %s (%s, gradient checkpointing %s)", trainer.device, cfg.learner.precision,
              "on" if cfg.learner.gradient_checkpointing else "off")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "sft_metrics.jsonl").unlink(missing_ok=True)
-    sink = Sinks(out, cfg.run, cfg.model_dump(mode="json", exclude_none=True), jsonl="sft_metrics.jsonl")
+    sink = Sinks(out, cfg, jsonl="sft_metrics.jsonl", fresh=True)
     async with contextlib.AsyncExitStack() as stack:
+        stack.callback(sink.close)
         player = await stack.enter_async_context(ModelPlayer(cfg, eval_env)) if tasks else None
 
         async def held_out(step: int) -> dict:
@@ -155,7 +155,6 @@ async def fine_tune(cfg: Config, data: list[str], out: Path) -> Path:
                 log.info("step %d: held-out loss %.4f, success %s", step, row.get("sft/heldout_loss", float("nan")),
                          f"{row['eval/success']:.3f}" if "eval/success" in row else "-")
     save_policy(model, cfg.model.path, out, trainer.state_dict())
-    sink.close()
     _plot(out)
     log.info("wrote %s in %.0f s", out, time.monotonic() - started)
     return out

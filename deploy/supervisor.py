@@ -238,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
     processes: list[Process] = []
     supervisor: Supervisor | None = None
     outcome: int | None = None
+    plotting: threading.Thread | None = None
     try:
         if not cfg.redis.url:
             from broker.embedded import EmbeddedRedis, free_port
@@ -279,14 +280,15 @@ def run(args: argparse.Namespace) -> int:
                  "per process in %.0fs", cfg.actor.num_actors, logs, cfg.supervisor.restart,
                  cfg.supervisor.max_restarts, cfg.supervisor.restart_window_s)
         supervisor = Supervisor(cfg.supervisor, processes, learner)
-        plotted = time.monotonic()
+        plotted = time.monotonic()  # the plot is drawn in a thread: the checks go on meanwhile
         while not stopping and outcome is None:
             outcome = supervisor.check()
             time.sleep(0.2)
-            if cfg.run.plot_every_s and time.monotonic() - plotted >= cfg.run.plot_every_s:
+            if (cfg.run.plot_every_s and time.monotonic() - plotted >= cfg.run.plot_every_s
+                    and (plotting is None or not plotting.is_alive()) and (run_dir / "metrics.jsonl").exists()):
                 plotted = time.monotonic()
-                if (run_dir / "metrics.jsonl").exists():
-                    _plot(run_dir, quiet=True)
+                plotting = threading.Thread(target=_plot, args=(run_dir, True), name="plot", daemon=True)
+                plotting.start()
         if stopping:
             log.info("interrupted: stopping every process")
             outcome = 130
@@ -298,6 +300,8 @@ def run(args: argparse.Namespace) -> int:
             _report(cfg, run_dir)
         if redis is not None:
             redis.stop()
+        if plotting is not None:
+            plotting.join(timeout=60)
         if (run_dir / "metrics.jsonl").exists():
             _plot(run_dir)
     if supervisor is not None and supervisor.failure:

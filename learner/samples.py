@@ -2,24 +2,27 @@
 the step's batch (its best, its worst, the rest drawn at random) are kept in RUN_DIR/samples.jsonl,
 one JSON object each, turn by turn: the text, the token ids and, on the model's turns, each
 token's behaviour log-prob, weight version and advantage, with the episode's rewards. The file
-is bounded: past `learner.samples_max_mb` it becomes samples.1.jsonl (the older one is dropped).
+is bounded: past `learner.samples_max_mb` it becomes samples.1.jsonl (the older one is dropped),
+so the two hold about twice that.
 `omrl view RUN_DIR` browses them; the metrics sinks get them as text."""
 
 from __future__ import annotations
 
 import json
 import random
+import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from common.messages import RolloutGroup
+from common.metrics import append_jsonl, read_jsonl
 
-FILE = "samples.jsonl"
+FILE, ROTATED = "samples.jsonl", "samples.1.jsonl"
 
 
-def turns_of(sample, advantages: np.ndarray, decode, pieces) -> list[dict[str, Any]]:
+def turns_of(sample, advantages: np.ndarray | None, decode, pieces) -> list[dict[str, Any]]:
     """The sample cut where its loss mask changes: context (the prompt, then each observation)
     and the model's turns, each with its text, token ids and each token's own text (`pieces`,
     for colouring tokens); the model's also with per-token log-probs, versions and advantages
@@ -32,7 +35,8 @@ def turns_of(sample, advantages: np.ndarray, decode, pieces) -> list[dict[str, A
         turn: dict[str, Any] = {"text": decode(ids), "tokens": ids.tolist(), "pieces": pieces(ids)}
         if mask[a]:
             turn.update(role="model", logprobs=np.round(sample.logprobs[a:b], 4).tolist(),
-                        versions=sample.versions[a:b].tolist(), advantages=np.round(advantages[a:b], 4).tolist())
+                        versions=sample.versions[a:b].tolist(),
+                        advantages=None if advantages is None else np.round(advantages[a:b], 4).tolist())
         else:
             turn["role"] = "prompt" if contexts == 0 else "observation"
             contexts += 1
@@ -76,16 +80,20 @@ class SampleKeeper:
     def _pieces(self, ids: np.ndarray) -> list[str]:
         return self.tokenizer.batch_decode([[i] for i in ids.tolist()])
 
-    def keep(self, step: int, version: int, groups: list[RolloutGroup], advantages, staleness: list[int]) -> list[dict]:
-        """Choose and write the step's episodes; `advantages` is the batch's (N, T) tensor (rows
-        in the groups' sample order), `staleness` each group's, in optimizer steps."""
+    def keep(self, step: int, version: int, groups: list[RolloutGroup], batch, staleness: list[int],
+             advantages_known: bool = True) -> list[dict]:
+        """Choose and write the step's episodes. `batch` is the step's (its rows in the groups'
+        sample order); `staleness` each group's, in optimizer steps; `advantages_known`: False
+        where this rank did not compute every sample's advantages (a critic over several ranks),
+        and the episodes say null."""
         rows = [(g, gi, s) for gi, g in enumerate(groups) for s in g.samples]
-        kept = []
+        kept, run = [], uuid.uuid4().hex[:6]  # ids stay unique when a restarted learner keeps a step again
         for j, (i, why) in enumerate(choose([s.reward for _g, _gi, s in rows], self.count, self.rng)):
             group, gi, sample = rows[i]
-            adv = advantages[i, :len(sample.tokens)].float().numpy()
+            adv = batch.advantages[i, :len(sample.tokens)].float().numpy() if advantages_known else None
             kept.append({
-                "id": f"{step}-{j}", "step": step, "weight_version": version, "why": why, "group_id": group.group_id,
+                "id": f"{step}-{j}-{run}", "step": step, "weight_version": version, "why": why,
+                "trained": bool(batch.loss_mask[i].any()), "group_id": group.group_id,
                 "actor_id": group.actor_id, "task_id": sample.task_id, "env_name": sample.env_name,
                 "reward": float(sample.reward), "success": bool(sample.success),
                 "turn_rewards": [float(r) for r in sample.turn_rewards], "finish_reason": sample.finish_reason,
@@ -95,8 +103,8 @@ class SampleKeeper:
             })
         lines = "".join(json.dumps(k) + "\n" for k in kept)
         if self.path.exists() and self.path.stat().st_size + len(lines) > self.max_bytes:
-            self.path.replace(self.path.with_name("samples.1.jsonl"))
-        with open(self.path, "a", encoding="utf-8") as f:
+            self.path.replace(self.path.with_name(ROTATED))
+        with append_jsonl(self.path) as f:
             f.write(lines)
         return kept
 
@@ -121,7 +129,5 @@ def as_markdown(episode: dict[str, Any]) -> str:
 def read_samples(run_dir: str | Path) -> list[dict[str, Any]]:
     """Every kept episode of a run, oldest first (the rotated file, then the current one); a line
     still being written is left out."""
-    from common.metrics import read_jsonl
-
-    paths = [Path(run_dir) / "samples.1.jsonl", Path(run_dir) / FILE]
+    paths = [Path(run_dir) / ROTATED, Path(run_dir) / FILE]
     return [row for p in paths if p.exists() for row in read_jsonl(p)]

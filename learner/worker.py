@@ -272,7 +272,7 @@ class Learner:
         if self.state.step >= lcfg.steps:
             log.warning("the checkpoint in %s is at step %d, learner.steps is %d: nothing to do (use a new run dir "
                         "or raise --steps to continue)", self.checkpoint_dir, self.state.step, lcfg.steps)
-        sink = Sinks(cfg.run.run_dir, cfg.run, cfg.model_dump(mode="json", exclude_none=True))
+        sink = Sinks(cfg.run.run_dir, cfg)
         log.info("learner ready: step %d, version %d, %d steps of %d groups, %d rank(s) (%s) on %s", self.state.step,
                  self.state.version, lcfg.steps, lcfg.groups_per_step, self.parallel.world,
                  lcfg.parallel if self.parallel.world > 1 else "single", self.parallel.device)
@@ -342,6 +342,19 @@ class Learner:
             newest = bridge.evals.pop(0)
         return {f"eval/{k}": v for k, v in newest.items()} if newest else {}
 
+    def _keep_samples(self, groups: list[RolloutGroup], batch: Batch, staleness: np.ndarray, metrics: dict) -> list[dict]:
+        """The step's kept episodes (learner/samples.py), timed; a failure to keep them costs a
+        warning, never the step."""
+        started = time.perf_counter()
+        try:  # with a critic over several ranks, this rank has only its own samples' advantages
+            return self.keeper.keep(self.state.step, self.state.version, groups, batch, staleness.tolist(),
+                                    advantages_known=not (self.trainer.critic and self.parallel.world > 1))
+        except Exception as exc:  # noqa: BLE001 - a sample file must not stop training
+            log.warning("could not keep the step's episodes in %s: %s: %s", self.keeper.path, type(exc).__name__, exc)
+            return []
+        finally:
+            metrics["learner/time/samples_s"] = time.perf_counter() - started
+
     def _step(self, bridge: BrokerBridge, deliveries: list[Delivery]) -> dict:
         lcfg = self.cfg.learner
         groups = [d.group for d in deliveries]
@@ -359,8 +372,7 @@ class Learner:
         if self.sender is not None:  # broadcast: members, copies sent out of this process, versions delivered
             metrics.update({"weights/members": len(self.sender.members), "weights/sends": self.sender.sends,
                             "weights/sent": self.sender.sent, "weights/groups": self.sender.epochs})
-        self.kept = self.keeper.keep(self.state.step, self.state.version, groups, batch.advantages, staleness.tolist()) \
-            if self.keeper.due(self.state.step) else []
+        self.kept = self._keep_samples(groups, batch, staleness, metrics) if self.keeper.due(self.state.step) else []
         generated = np.concatenate([s.versions[s.loss_mask.astype(bool)] for g in groups for s in g.samples])
         samples = [s for g in groups for s in g.samples]
         turns = sum(s.num_turns for s in samples)

@@ -217,7 +217,9 @@ def test_omrl_view_shows_the_runs_episodes_in_a_browser(default_run, tmp_path):
                 assert set(colours) == {"rgba(0, 0, 0, 0)"}, colours
         Select(browser.find_element(By.ID, "colour")).select_by_value("mask")
         model = browser.find_element(By.CSS_SELECTOR, "#episode .turn.model .tok")
-        assert model.value_of_css_property("background-color") == "rgba(60, 170, 90, 0.28)"
+        # Green where the learner trained: the model's tokens, unless the group had no signal.
+        assert model.value_of_css_property("background-color") == (
+            "rgba(60, 170, 90, 0.28)" if episode["trained"] else "rgba(0, 0, 0, 0)")
 
         # The same task across steps: every kept episode of it, oldest first.
         browser.find_element(By.ID, "across-btn").click()

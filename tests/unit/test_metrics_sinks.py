@@ -24,8 +24,8 @@ def records(n: int = 4) -> list[dict]:
             for s in range(1, n + 1)]
 
 
-def run_cfg(*sinks: str):
-    return Config.model_validate({"run": {"metrics": list(sinks)}}).run
+def config(*sinks: str) -> Config:
+    return Config.model_validate({"run": {"metrics": list(sinks)}})
 
 
 def tensorboard_scalars(log_dir) -> dict[str, list[tuple[int, float]]]:
@@ -44,13 +44,13 @@ def tensorboard_text(log_dir, tag: str) -> list[tuple[int, str]]:
     return [(e.step, e.tensor_proto.string_val[0].decode()) for e in events.Tensors(f"{tag}/text_summary")]
 
 
-def wandb_history(run_dir) -> list[dict]:
-    """The history rows of the offline W&B run in RUN_DIR/wandb, read from its .wandb file: a
-    7-byte header, then LevelDB-style blocks of 32 KiB holding records (crc, length, type; a
-    record cut across blocks comes as first, middle and last pieces), each a protobuf Record."""
+def wandb_history(run_dir, folder=None) -> list[dict]:
+    """The history rows of the offline W&B run in RUN_DIR/wandb (or its `folder`), read from its
+    .wandb file: a 7-byte header, then LevelDB-style blocks of 32 KiB holding records (crc, length,
+    type; a record cut across blocks comes as first, middle and last pieces), each a protobuf Record."""
     from wandb.proto import wandb_internal_pb2
 
-    (path,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    (path,) = (folder or next((run_dir / "wandb").glob("offline-run-*"))).glob("run-*.wandb")
     data, block, pos = path.read_bytes(), 32768, 7
     assert data[:4] == b":W&B"
     pieces, rows = b"", []
@@ -74,7 +74,7 @@ def wandb_history(run_dir) -> list[dict]:
 
 def test_every_sink_gets_the_records_numbers_and_the_jsonl_everything(tmp_path):
     pytest.importorskip("wandb", reason="the metrics extra (pip install 'openmanus-rl[metrics]')")
-    sinks = Sinks(tmp_path, run_cfg("jsonl", "tensorboard", "wandb"), {"run": {"run_dir": str(tmp_path)}})
+    sinks = Sinks(tmp_path, config("jsonl", "tensorboard", "wandb"))
     assert set(sinks.sinks) == {"tensorboard", "wandb"}
     for record in records():
         sinks.write(record)
@@ -90,41 +90,69 @@ def test_every_sink_gets_the_records_numbers_and_the_jsonl_everything(tmp_path):
     assert [v for _s, v in scalars["learner/skipped"]] == [0.0, 1.0, 0.0, 0.0]
 
     history = wandb_history(tmp_path)
-    (table,) = [row for row in history if row.get("samples/_type") == "table-file"]
+    (table,) = [row for row in history if row.get("samples/episodes/_type") == "table-file"]
     (files,) = (tmp_path / "wandb").glob("offline-run-*/files")
-    assert table["_step"] == 2 and json.loads((files / table["samples/path"]).read_text())["data"] == [
+    assert table["step"] == 2 and json.loads((files / table["samples/episodes/path"]).read_text())["data"] == [
         ["samples/best", "**best** · reward 1.000"], ["samples/worst", "*model*: turn left"]]
-    assert [row["_step"] for row in history] == [1, 2, 3, 4]
-    assert [row["reward/mean"] for row in history] == [0.25, 0.5, 0.75, 1.0]
+    scalar_rows = [row for row in history if "reward/mean" in row]
+    assert [row["step"] for row in scalar_rows] == [1, 2, 3, 4]  # the learner's step, W&B's x axis
+    assert [row["reward/mean"] for row in scalar_rows] == [0.25, 0.5, 0.75, 1.0]
     assert all("perf/peak_cuda_gb" not in row and "batch/group_ids" not in row for row in history)
     run_id = (tmp_path / "wandb-run-id").read_text().strip()
-    # A restarted learner logs to the same W&B run.
-    again = Sinks(tmp_path, run_cfg("wandb"), {})
-    again.write({"step": 5, "reward/mean": 2.0})
+    # A restarted learner logs under the same id, steps it trains again included.
+    again = Sinks(tmp_path, config("wandb"))
+    again.write({"step": 4, "reward/mean": 2.0})
     again.close()
-    runs = [p.name for p in (tmp_path / "wandb").glob("offline-run-*")]  # offline-run-TIME-ID (-1 within a second)
-    assert len(runs) == 2 and all(f"-{run_id}" in name for name in runs), runs
+    runs = sorted((tmp_path / "wandb").glob("offline-run-*"))  # offline-run-TIME-ID (-1 within a second)
+    assert len(runs) == 2 and all(f"-{run_id}" in p.name for p in runs), runs
+    assert any(row.get("step") == 4 and row.get("reward/mean") == 2.0 for row in wandb_history(tmp_path, runs[-1]))
 
 
-def test_a_failing_sink_is_dropped_and_the_jsonl_goes_on(tmp_path, caplog):
-    sinks = Sinks(tmp_path, run_cfg("tensorboard"), {})
+def test_a_failing_sink_is_dropped_and_the_jsonl_goes_on(tmp_path, caplog, monkeypatch):
+    sinks = Sinks(tmp_path, config("tensorboard"))
+    calls = []
 
     class Broken:
         def write(self, record):
+            calls.append("write")
             raise OSError("disk full")
 
         def close(self):
-            raise AssertionError("a dropped sink is not closed")
+            calls.append("close")
 
     sinks.sinks["broken"] = Broken()
     with caplog.at_level(logging.WARNING, logger="common.metrics"):
         for record in records():
             sinks.write(record)
     sinks.close()
+    assert calls == ["write", "close"]  # dropped at its first failure, closed then, not again
     assert [r["step"] for r in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4]
     assert [r.message for r in caplog.records].count(
         "metrics sink broken failed (OSError: disk full): dropped; metrics.jsonl goes on") == 1
     assert [s for s, _v in tensorboard_scalars(tmp_path / "tensorboard")["reward/mean"]] == [1, 2, 3, 4]
+
+    # A sink that cannot start stops the start, naming run.metrics, with the others closed.
+    import common.metrics
+
+    def refuses(run_dir, cfg):
+        raise PermissionError("no access")
+
+    monkeypatch.setitem(common.metrics.SINKS, "wandb", refuses)
+    with pytest.raises(RuntimeError, match=r"run.metrics names 'wandb', which could not start: PermissionError: "
+                                           r"no access: check run.wandb_mode"):
+        Sinks(tmp_path / "again", config("tensorboard", "wandb"))
+
+
+def test_a_line_a_killed_writer_left_unfinished_is_cut_off_before_the_next(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1}\n{"step": 2, "rew')
+    sinks = Sinks(tmp_path, config("jsonl"))
+    sinks.write({"step": 2, "reward/mean": 0.5})
+    sinks.close()
+    assert read_jsonl(path) == [{"step": 1}, {"step": 2, "reward/mean": 0.5}]
+    path.write_text('{"step": 1, "rew')  # no whole line at all
+    Sinks(tmp_path, config("jsonl")).close()
+    assert path.read_text() == ""
 
 
 def test_an_unknown_sink_fails_the_config_and_a_missing_package_fails_the_start(tmp_path, monkeypatch):
@@ -156,7 +184,7 @@ def test_read_jsonl_leaves_out_a_line_still_being_written(tmp_path):
 
 def test_omrl_plot_draws_a_run_at_any_time(tmp_path):
     pytest.importorskip("matplotlib")
-    sinks = Sinks(tmp_path, run_cfg("jsonl"), {})
+    sinks = Sinks(tmp_path, config("jsonl"))
     for record in records():
         sinks.write(record)
     sinks.close()

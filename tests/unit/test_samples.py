@@ -33,8 +33,10 @@ def test_a_kept_episode_reads_turn_by_turn(tmp_path, tiny_model):
     batch = collate(batch_groups)
     keeper = SampleKeeper(tmp_path, tiny_model, every=10, count=3, max_mb=1.0, seed=0)
     assert not keeper.due(9) and keeper.due(20)
-    kept = keeper.keep(20, 19, batch_groups, batch.advantages, [2, 0, 1])
-    assert [k["why"] for k in kept] == ["best", "worst", "random"] and [k["id"] for k in kept] == ["20-0", "20-1", "20-2"]
+    kept = keeper.keep(20, 19, batch_groups, batch, [2, 0, 1])
+    assert [k["why"] for k in kept] == ["best", "worst", "random"]
+    assert [k["id"].rsplit("-", 1)[0] for k in kept] == ["20-0", "20-1", "20-2"] and len({k["id"] for k in kept}) == 3
+    assert all(k["trained"] for k in kept)  # every group here has signal
     assert read_samples(tmp_path) == json.loads(json.dumps(kept))
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model)
@@ -57,6 +59,10 @@ def test_a_kept_episode_reads_turn_by_turn(tmp_path, tiny_model):
         assert sum((t["advantages"] for t in model_turns), []) == pytest.approx(advantages, abs=1e-4)
     assert kept[0]["reward"] == max(s.reward for _g, s in samples)
     assert kept[1]["reward"] == min(s.reward for _g, s in samples)
+    # A critic over several ranks: this rank knows only its own samples' advantages, so none are kept.
+    unknown = keeper.keep(30, 29, batch_groups, batch, [0, 0, 0], advantages_known=False)
+    assert all(t["advantages"] is None for k in unknown for t in k["turns"] if t["role"] == "model")
+    assert unknown[0]["id"].rsplit("-", 1)[1] != kept[0]["id"].rsplit("-", 1)[1]
     tags = as_text(kept)
     assert list(tags) == ["samples/best", "samples/worst", "samples/random-1"]
     assert tags["samples/best"].startswith(f"**best** · reward {kept[0]['reward']:.3f}")
@@ -68,7 +74,7 @@ def test_the_file_is_rotated_and_bounded(tmp_path, tiny_model):
     steps = []
     for step in range(1, 30):
         batch_groups = groups(rng)
-        keeper.keep(step, step, batch_groups, collate(batch_groups).advantages, [0, 0, 0])
+        keeper.keep(step, step, batch_groups, collate(batch_groups), [0, 0, 0])
         steps.append(step)
         sizes = [p.stat().st_size for p in tmp_path.glob("samples*.jsonl")]
         assert len(sizes) <= 2 and all(size <= 10 * 1024 for size in sizes)

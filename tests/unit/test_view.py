@@ -1,4 +1,4 @@
-"""`omrl view`'s server (deploy/view.py) over real HTTP: the page, the list of kept episodes
+"""`omrl view`'s server (deploy/commands/view.py) over real HTTP: the page, the list of kept episodes
 as the run's files hold them at each request (a live run's new ones, the rotated file), one
 episode whole, and a 404 JSON error for an unknown one. The page itself in a browser:
 tests/e2e/test_omrl_run.py."""
@@ -10,7 +10,7 @@ import sys
 
 from aiohttp.test_utils import TestClient, TestServer
 
-from deploy.view import app
+from deploy.commands.view import app
 
 
 def episode(step: int, j: int, reward: float) -> dict:

@@ -1,7 +1,7 @@
 """`omrl view RUN_DIR`: a local web page to browse the episodes a run kept (RUN_DIR/samples.jsonl,
 learner.samples_every): filter them by step, env, task, reward, success and staleness, read one
 turn by turn with its tokens coloured by log-prob, advantage, weight version or loss mask, and
-follow one task across steps. The page is one file (deploy/view.html, no build step); the server
+follow one task across steps. The page is one file (deploy/commands/view.html, no build step); the server
 reads the run's files at every request, so a live run's new episodes show up as they are kept.
 
     omrl view runs/first              # http://127.0.0.1:8300/
@@ -25,23 +25,32 @@ def add_args(p: argparse.ArgumentParser) -> None:
 
 
 def app(run_dir: Path):
+    import asyncio
+
     from aiohttp import web
 
-    from learner.samples import read_samples
+    from learner.samples import FILE, ROTATED, read_samples
 
-    def episodes() -> list[dict]:
-        return read_samples(run_dir)
+    cache: dict = {"files": None, "episodes": []}
+
+    async def episodes() -> list[dict]:
+        """The kept episodes, read again (in a thread) only when a file changed."""
+        files = [(p.stat().st_mtime_ns, p.stat().st_size) if p.exists() else None
+                 for p in (run_dir / ROTATED, run_dir / FILE)]
+        if files != cache["files"]:
+            cache.update(files=files, episodes=await asyncio.to_thread(read_samples, run_dir))
+        return cache["episodes"]
 
     async def page(_request: web.Request) -> web.Response:
         return web.FileResponse(PAGE)
 
     async def index(_request: web.Request) -> web.Response:
-        rows = [{k: e.get(k) for k in SUMMARY} | {"turns": len(e["turns"])} for e in episodes()]
+        rows = [{k: e.get(k) for k in SUMMARY} | {"turns": len(e["turns"])} for e in await episodes()]
         return web.json_response({"run_dir": str(run_dir), "episodes": rows})
 
     async def episode(request: web.Request) -> web.Response:
         wanted = request.match_info["id"]
-        found = next((e for e in episodes() if e.get("id") == wanted), None)
+        found = next((e for e in await episodes() if e.get("id") == wanted), None)
         if found is None:
             return web.json_response({"error": f"no kept episode {wanted!r} in {run_dir}"}, status=404)
         return web.json_response(found)
