@@ -3,7 +3,7 @@ mean reward come with 95% confidence intervals (Wilson for the rate, normal for 
 
 Policies: `model` (the engine, greedy by default), `oracle` and `random` (our env servers'
 /oracle and /random: the ceiling and the floor to read a model's figures against).
-Used by `omrl eval` and, every `learner.eval_every` versions, by actor 0 during training.
+Used by `omrl eval` and, every `learner.eval_every` versions, by the evaluator role (actors/evaluator.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,6 @@ from collections.abc import Callable, Sequence
 
 from actors.engine import Engine, Generation
 from actors.episode import EpisodeSetup, Policy, Turn, run_episode
-from actors.weights import WeightGate
 from common.messages import Sample
 from envs.base import EpisodeError
 
@@ -31,22 +30,6 @@ class PinnedModelPolicy:
 
     async def act(self, tokens: list[int], budget: int, env_id: int) -> Turn:
         return Turn(await self.engine.generate(tokens, budget, self.temperature), self.version)
-
-
-class GatedModelPolicy:
-    """The engine at a fixed temperature behind an actor's weight gate during training: each
-    turn holds the gate pinned, so it runs whole on one version, and an update waits for the
-    turns in flight, never for a whole evaluation (with every other generate call waiting
-    behind the update). An evaluation may then span versions: `versions` holds those it ran on."""
-
-    def __init__(self, engine: Engine, gate: WeightGate, temperature: float = 0.0):
-        self.engine, self.gate, self.temperature = engine, gate, temperature
-        self.versions: set[int] = set()
-
-    async def act(self, tokens: list[int], budget: int, env_id: int) -> Turn:
-        async with self.gate.generating(pinned=True) as version:
-            self.versions.add(version)
-            return Turn(await self.engine.generate(tokens, budget, self.temperature), version)
 
 
 class ServerPolicy:

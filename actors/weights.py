@@ -442,10 +442,15 @@ async def receive_weights(store: WeightStore, gate: WeightGate, load_path: Calla
                 except Exception as exc:  # noqa: BLE001 - the next version, or the same again, may load
                     log.error("weight update failed: %s: %s%s", type(exc).__name__, first_line(exc),
                               " (generation waits until a version loads whole)" if gate.broken else "")
-                waits = [asyncio.ensure_future(announcements.wait(poll_s)), asyncio.ensure_future(stop.wait())]
-                _done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                for task in pending:  # only the stop interrupts an announcement's wait
-                    task.cancel()
-                await asyncio.gather(*pending, return_exceptions=True)
+                await first_of(announcements.wait(poll_s), stop.wait())  # only the stop cuts an announcement's wait
     finally:
         await announcements.close()
+
+
+async def first_of(*waits) -> None:
+    """Until the first of `waits` returns; the others are cancelled."""
+    tasks = [asyncio.ensure_future(w) for w in waits]
+    _done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)

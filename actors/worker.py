@@ -39,12 +39,10 @@ import aiohttp
 
 from actors.engine import Engine, VLLMEngine
 from actors.episode import EpisodeSetup, ModelPolicy, run_episode
-from actors.evaluate import GatedModelPolicy, evaluate
 from actors.templates import make_template
 from actors.weights import BroadcastLink, apply_newest, receive_weights, update_gate
 from broker.admission import Admission
 from broker.connection import connect
-from broker.evals import publish_eval
 from broker.keys import Keys
 from broker.membership import Membership
 from broker.retry import REDIS_TRANSIENT, RetryPolicy
@@ -80,7 +78,7 @@ class Actor:
         try:
             self.template = make_template(cfg.actor.action_template)
             check_weights(cfg.actor.rewards)
-            self.train_tasks, self.test_tasks = task_split(cfg.env)  # no test task is ever trained on
+            self.train_tasks, _test = task_split(cfg.env)  # no test task is ever trained on
             self.task_data = task_data(cfg.env)
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
@@ -156,8 +154,6 @@ class Actor:
                     tg.create_task(self._heartbeat())
                     tg.create_task(self._watch_env())
                     flusher = tg.create_task(self.producer.run())  # if it fails, the actor fails
-                    if cfg.learner.eval_every and self.index == 0:
-                        tg.create_task(self._eval_loop(client, keys))
                     loops = [tg.create_task(self._group_loop()) for _ in range(cfg.actor.concurrent_groups)]
                     tg.create_task(self._drain(loops, flusher))
                 await self.env.close_kept()  # the instances kept for episodes that will not come
@@ -234,34 +230,6 @@ class Actor:
         log.warning("%s (reason %s; %d groups failed so far)", message, reason, sum(self.failed.values()))
         await self.retry.run("return the admission ticket", lambda: self.admission.release(ticket, reason))
         self.running.discard(ticket)
-
-    async def _eval_loop(self, client, keys: Keys) -> None:
-        """Every learner.eval_every versions: the first learner.eval_tasks held-out tasks, played
-        greedily, each turn on one weight version (an update may land between turns: the record
-        names the first and last version), reported through Redis."""
-        every, tasks = self.cfg.learner.eval_every, list(self.test_tasks)[:self.cfg.learner.eval_tasks]
-        last = -1
-        while not self.stop.is_set():
-            if self.gate.version // every > last and self.env_up.is_set():
-                version = self.gate.version
-                policy = GatedModelPolicy(self.engine, self.gate, temperature=0.0)
-                try:
-                    result = await evaluate(self.setup, policy, tasks, "model")
-                except EpisodeError as exc:
-                    log.warning("evaluation at version %d failed: %s", version, exc)
-                    result = None
-                last = version // every
-                if result is not None:
-                    version = min(policy.versions, default=version)
-                    record = {"version": version, "last_version": max(policy.versions, default=version),
-                              "episodes": result.episodes, "success": result.success,
-                              "reward": result.reward, "reward_ci": list(result.reward_ci),
-                              "success_ci": list(result.success_ci), "invalid_action_frac": result.invalid_action_frac}
-                    await self.retry.run("report the evaluation", lambda: publish_eval(client, keys, record))
-                    log.info("evaluation at versions %d-%d on %d held-out tasks: success %.3f, reward %.3f",
-                             version, record["last_version"], result.episodes, result.success, result.reward)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), 1.0)
 
     async def _watch_env(self) -> None:
         """While the env server is unreachable no new group starts: poll it until it answers."""

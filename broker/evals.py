@@ -1,5 +1,6 @@
-"""Evaluation results on held-out tasks: actor 0 writes one JSON record per evaluation to a
-capped stream; the learner reads those newer than what it has seen into metrics.jsonl."""
+"""Evaluation results on held-out tasks: the evaluator (actors/evaluator.py) writes one JSON record
+per evaluation to a capped stream; the learner reads those newer than what it has seen into
+metrics.jsonl, and `omrl status` shows the newest."""
 
 from __future__ import annotations
 
@@ -13,6 +14,12 @@ KEEP = 1000
 
 async def publish_eval(client, keys: Keys, record: dict[str, Any]) -> None:
     await client.xadd(keys.evals, {b"r": json.dumps(record)}, maxlen=KEEP, approximate=True)
+
+
+async def newest_eval(client, keys: Keys) -> dict[str, Any] | None:
+    """The newest evaluation's record, or None."""
+    newest = await client.xrevrange(keys.evals, count=1)
+    return json.loads(newest[0][1][b"r"]) if newest else None
 
 
 async def last_eval_id(client, keys: Keys) -> str:

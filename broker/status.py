@@ -7,6 +7,7 @@ from typing import Any
 
 from broker.admission import group_counts
 from broker.connection import connect
+from broker.evals import newest_eval
 from broker.keys import Keys
 from broker.membership import Membership
 from broker.streams import stream_info
@@ -36,6 +37,7 @@ async def run_status(client, keys: Keys, dead_after_s: float) -> dict[str, Any]:
         "members": await Membership(client, keys).members(dead_after_s),
         "learner": learner,
         "weights": await WeightStore(client, keys).latest(),
+        "evaluation": await newest_eval(client, keys),
     }
 
 
@@ -76,10 +78,17 @@ def format_status(status: dict[str, Any]) -> str:
                      f"consumers {s['consumers']}")
     dead = status["groups"]["dead_lettered"]
     lines.append("dead letters: " + (", ".join(f"{k} {v}" for k, v in dead.items()) if dead else "none"))
-    members = status["members"]
+    members = [m for m in status["members"] if m.get("role", "actor") == "actor"]
     lines.append(f"actors: {sum(m['alive'] for m in members)} live, {sum(not m['alive'] for m in members)} dead")
     for m in members:
         lines.append(f"  {m['id']:<32} {'live' if m['alive'] else 'DEAD'}  index {m.get('index')}  version {m.get('version')}  "
                      f"groups {m.get('groups')}  failed {m.get('groups_failed', 0)}  tokens/s {m.get('tokens_per_s')}  "
                      f"host {m.get('host')}")
+    for m in (m for m in status["members"] if m.get("role") == "evaluator"):
+        lines.append(f"evaluator {m['id']}: {'live' if m['alive'] else 'DEAD'}, version {m.get('version')}, "
+                     f"{m.get('evaluations')} evaluations")
+    e = status.get("evaluation")
+    lines.append(f"evaluation: version {e['version']}, success {e['success']:.3f} [{e['success_ci'][0]:.3f}, "
+                 f"{e['success_ci'][1]:.3f}], reward {e['reward']:.3f} [{e['reward_ci'][0]:.3f}, {e['reward_ci'][1]:.3f}], "
+                 f"{e['episodes']} held-out episodes" if e else "evaluation: none yet")
     return "\n".join(lines)

@@ -302,8 +302,9 @@ class LearnerConfig(Section):
     dedup_window: int = Field(100_000, ge=1)
     """Ids of the last this-many groups trained on are remembered (and checkpointed) to skip redeliveries."""
     eval_every: int = Field(0, ge=0)
-    """Every this many weight versions actor 0 plays learner.eval_tasks held-out tasks greedily; the
-    result lands in metrics.jsonl (eval/...). 0: no evaluation during training."""
+    """Every this many weight versions the evaluator (its own process and engine; `omrl run` starts it)
+    plays learner.eval_tasks held-out tasks greedily on one version; the result lands in metrics.jsonl
+    (eval/...) and `omrl status`. 0: no evaluator."""
     eval_tasks: int = Field(32, ge=1)
     """Held-out tasks per evaluation during training (the first ones of the test split)."""
     samples_every: int = Field(10, ge=0)

@@ -273,6 +273,8 @@ def run(args: argparse.Namespace) -> int:
         processes.append(learner)
         processes += [Process(f"actor{i}", [*py, "actors", *cfg_args, "--index", str(i)], logs / f"actor{i}.log")
                       for i in range(cfg.actor.num_actors)]
+        if cfg.learner.eval_every:  # its own engine: evaluations hold up no actor and no update
+            processes.append(Process("evaluator", [*py, "actors", *cfg_args, "--evaluator"], logs / "evaluator.log"))
         for p in processes:
             if p.proc is None:
                 p.start()

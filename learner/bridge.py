@@ -247,8 +247,8 @@ class BrokerBridge:
                 self.reported_dead.discard(member["id"])
             elif member["id"] not in self.reported_dead:
                 self.reported_dead.add(member["id"])
-                log.warning("actor %s is dead: no heartbeat for %.0fs (host %s, version %s)", member["id"],
-                            member["silent_s"], member.get("host"), member.get("version"))
+                log.warning("%s %s is dead: no heartbeat for %.0fs (host %s, version %s)", member.get("role", "actor"),
+                            member["id"], member["silent_s"], member.get("host"), member.get("version"))
 
 
 def _stream_gone(exc: ResponseError) -> bool:

@@ -186,6 +186,30 @@ def test_dead_letter_stream_is_capped_and_its_counts_kept_whole(redis_server_url
     run(scenario())
 
 
+def test_status_shows_the_evaluator_and_the_newest_evaluation(redis_server_url, run_name):
+    from broker.evals import publish_eval
+    from broker.membership import Membership
+    from broker.status import format_status
+
+    async def scenario():
+        async with Setup(redis_server_url, run_name) as s:
+            assert format_status(await run_status(s.client, s.keys, 10)).endswith("evaluation: none yet")
+            members = Membership(s.client, s.keys)
+            await members.heartbeat("h-evaluator", role="evaluator", version=40, evaluations=2)
+            await members.heartbeat("h-0", role="actor", index=0, version=41, groups=9)
+            for version, success in ((0, 0.25), (40, 0.75)):
+                await publish_eval(s.client, s.keys, {"version": version, "last_version": version, "episodes": 16,
+                                                      "success": success, "success_ci": [success - 0.2, success + 0.1],
+                                                      "reward": success, "reward_ci": [success - 0.1, success + 0.1]})
+            status = await run_status(s.client, s.keys, dead_after_s=10)
+            assert status["evaluation"]["version"] == 40
+            text = format_status(status)
+            assert "actors: 1 live, 0 dead" in text and "evaluator h-evaluator: live, version 40, 2 evaluations" in text
+            assert text.endswith("evaluation: version 40, success 0.750 [0.550, 0.850], reward 0.750 [0.650, 0.850], "
+                                 "16 held-out episodes")
+    run(scenario())
+
+
 def test_producer_waits_while_the_stream_is_full(redis_server_url, run_name):
     async def scenario():
         async with Setup(redis_server_url, run_name, max_len=2) as s:
