@@ -125,7 +125,7 @@ def test_debug_adds_the_traceback(tmp_path):
 def test_doctor_passes_on_the_embedded_defaults(tmp_path):
     code, out = omrl(tmp_path, "doctor")
     assert code == 0, out
-    assert out.splitlines()[-1] == "9 of 9 checks passed", out
+    assert out.splitlines()[-1] == "10 of 10 checks passed", out
     code, out = omrl(tmp_path, "doctor", "--json")
     results = json.loads(out)
     assert code == 0 and {r["check"] for r in results} >= {"model", "redis", "env", "ports", "run_dir", "gpu"}
