@@ -62,7 +62,6 @@ class Learner:
         lcfg = cfg.learner
         self.keeper = SampleKeeper(cfg.run.run_dir, cfg.model.path, lcfg.samples_every, lcfg.samples_per_step,
                                    lcfg.samples_max_mb, lcfg.seed)
-        self.kept: list[dict] = []  # the episodes the last step kept, for the metrics sinks
         self.parallel: Single | None = None
         self.trainer: Trainer | None = None
         self.saving: tuple[Future, Path, LearnerState, list[Delivery]] | None = None  # rank 0: a checkpoint
@@ -286,7 +285,7 @@ class Learner:
                 if self.stopping:
                     break
                 self.state.groups_trained += len(batch)
-                record = self._step(bridge, batch)
+                record, kept = self._step(bridge, batch)
                 self.uncommitted += batch
                 self.seen.add(d.group.group_id for d in batch)
                 step_times.append(time.monotonic())
@@ -300,8 +299,8 @@ class Learner:
                 # The record before the checkpoint: a crash between them trains the step again and
                 # writes its record twice (the last one counts), never a checkpointed step without one.
                 sink.write(record)
-                if self.kept:
-                    sink.text(record["step"], as_text(self.kept))
+                if kept:
+                    sink.text(record["step"], as_text(kept))
                 self.checkpoint_s = 0.0
                 if self.state.step % lcfg.checkpoint_every == 0 or self.state.step == lcfg.steps:
                     self._commit(bridge, background=lcfg.checkpoint_async and self.state.step < lcfg.steps)
@@ -355,7 +354,8 @@ class Learner:
         finally:
             metrics["learner/time/samples_s"] = time.perf_counter() - started
 
-    def _step(self, bridge: BrokerBridge, deliveries: list[Delivery]) -> dict:
+    def _step(self, bridge: BrokerBridge, deliveries: list[Delivery]) -> tuple[dict, list[dict]]:
+        """One training step: its metrics record, and the episodes it kept (learner/samples.py)."""
         lcfg = self.cfg.learner
         groups = [d.group for d in deliveries]
         # In optimizer steps: how many updates the weights that generated a group's oldest token lag behind.
@@ -372,11 +372,11 @@ class Learner:
         if self.sender is not None:  # broadcast: members, copies sent out of this process, versions delivered
             metrics.update({"weights/members": len(self.sender.members), "weights/sends": self.sender.sends,
                             "weights/sent": self.sender.sent, "weights/groups": self.sender.epochs})
-        self.kept = self._keep_samples(groups, batch, staleness, metrics) if self.keeper.due(self.state.step) else []
+        kept = self._keep_samples(groups, batch, staleness, metrics) if self.keeper.due(self.state.step) else []
         generated = np.concatenate([s.versions[s.loss_mask.astype(bool)] for g in groups for s in g.samples])
         samples = [s for g in groups for s in g.samples]
         turns = sum(s.num_turns for s in samples)
-        return {
+        record = {
             "step": self.state.step,
             "weight_version": self.state.version,
             "reward/mean": float(batch.rewards.mean()),
@@ -399,6 +399,7 @@ class Learner:
             "broker/dead_letters": dict(bridge.dead_letters),
             **metrics,
         }
+        return record, kept
 
 
 def main(cfg: Config) -> int:
