@@ -33,11 +33,13 @@ class Engine(Protocol):
     tokenizer: Any
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None,
-                       turn_start: int | None = None, sent: Callable[[], None] | None = None) -> Generation:
-        """One continuation; `temperature` overrides actor.temperature (0: greedy). Tokens of
-        `prompt_ids` from `turn_start` on were generated earlier in this turn (a continuation
-        after an update): a stop sequence may begin among them. `sent` is called once the
-        request is in the engine (the weight gate's `sent`)."""
+                       turn_start: int | None = None, sent: Callable[[], None] | None = None,
+                       stops: list[str] | None = None) -> Generation:
+        """One continuation; `temperature` overrides actor.temperature (0: greedy), `stops` the
+        engine's stop strings (actor.stop; [] for none). Tokens of `prompt_ids` from `turn_start`
+        on were generated earlier in this turn (a continuation after an update): a stop sequence
+        may begin among them. `sent` is called once the request is in the engine (the weight
+        gate's `sent`)."""
 
     async def load_weights(self, path: str) -> None: ...
 
@@ -135,12 +137,14 @@ class VLLMEngine:
         """Stop strings, matched here on the text of the turn as tokens stream in (DELTA outputs;
         without any, vLLM sends one final output)."""
         self.stops = check_stops(stop)
-        self.params.update(output_kind=self._kinds.DELTA if self.stops else self._kinds.FINAL_ONLY)
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None,
-                       turn_start: int | None = None, sent: Callable[[], None] | None = None) -> Generation:
-        params = self._SamplingParams(max_tokens=max_tokens,
-                                      **{**self.params, **({} if temperature is None else {"temperature": temperature})})
+                       turn_start: int | None = None, sent: Callable[[], None] | None = None,
+                       stops: list[str] | None = None) -> Generation:
+        stops = self.stops if stops is None else check_stops(stops)
+        params = self._SamplingParams(max_tokens=max_tokens, **{
+            **self.params, **({} if temperature is None else {"temperature": temperature}),
+            "output_kind": self._kinds.DELTA if stops else self._kinds.FINAL_ONLY})
         turn = list(prompt_ids[len(prompt_ids) if turn_start is None else turn_start:])  # this turn's tokens
         first = len(turn)  # where this request's tokens begin in it
         logprobs: list[float] = []
@@ -169,8 +173,8 @@ class VLLMEngine:
                 turn += new
                 logprobs += [step[tok].logprob for step, tok in zip(completion.logprobs, new)]
                 finish = completion.finish_reason
-                if self.stops:
-                    end = find_stop(self.tokenizer.decode, turn, self.stops, checked)
+                if stops:
+                    end = find_stop(self.tokenizer.decode, turn, stops, checked)
                     if end is not None:
                         del turn[end:], logprobs[end - first:]
                         finish = "stop"

@@ -71,7 +71,8 @@ class Turn:
 
 
 class Policy(Protocol):
-    async def act(self, tokens: list[int], budget: int, env_id: int) -> Turn: ...
+    async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None) -> Turn:
+        """`stops`: stop strings in place of the engine's (actor.stop); the endpoint's requests bring theirs."""
 
 
 class ModelPolicy:
@@ -83,15 +84,17 @@ class ModelPolicy:
     def __init__(self, engine: Engine, gate: WeightGate):
         self.engine, self.gate = engine, gate
 
-    async def act(self, tokens: list[int], budget: int, env_id: int) -> Turn:
+    async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None) -> Turn:
+        """`stops`: the request's stop strings in place of the engine's (actor.stop); None: the engine's."""
         ids: list[int] = []
+        extra = {} if stops is None else {"stops": stops}
         logprobs: list[float] = []
         versions: list[int] = []
         while True:
             async with self.gate.generating() as version:
                 applied = self.gate.applied
                 gen = await self.engine.generate(tokens + ids, budget - len(ids),
-                                                 turn_start=len(tokens) if ids else None, sent=self.gate.sent)
+                                                 turn_start=len(tokens) if ids else None, sent=self.gate.sent, **extra)
                 swapped = self.gate.versions_since(applied, len(gen.swaps))
             ids += gen.token_ids
             logprobs += gen.logprobs

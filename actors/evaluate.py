@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 from actors.engine import Engine, Generation
 from actors.episode import EpisodeSetup, Policy, Turn, run_episode
@@ -28,8 +28,9 @@ class PinnedModelPolicy:
     def __init__(self, engine: Engine, version: int, temperature: float = 0.0):
         self.engine, self.version, self.temperature = engine, version, temperature
 
-    async def act(self, tokens: list[int], budget: int, env_id: int) -> Turn:
-        return Turn(await self.engine.generate(tokens, budget, self.temperature), self.version)
+    async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None) -> Turn:
+        extra = {} if stops is None else {"stops": stops}
+        return Turn(await self.engine.generate(tokens, budget, self.temperature, **extra), self.version)
 
 
 class ServerPolicy:
@@ -41,7 +42,7 @@ class ServerPolicy:
             raise ValueError(f"unknown server policy {kind!r}: oracle or random")
         self.setup, self.kind = setup, kind
 
-    async def act(self, tokens: list[int], budget: int, env_id: int) -> Turn:
+    async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None) -> Turn:
         env = self.setup.env
         action = await (env.oracle_action(env_id) if self.kind == "oracle" else env.random_action(env_id))
         ids = self.setup.format.agent_turn(action)
@@ -61,16 +62,17 @@ class EvalResult:
     turns: float
 
     @classmethod
-    def of(cls, env: str, policy: str, samples: Sequence[Sample]) -> EvalResult:
-        n = len(samples)
-        wins = sum(s.success for s in samples)
-        rewards = [s.reward for s in samples]
+    def of(cls, env: str, policy: str, episodes: Sequence[Sequence[Sample]]) -> EvalResult:
+        """Each episode as its samples: the episode loop's one, or an agent's segments."""
+        n = len(episodes)
+        wins = sum(e[0].success for e in episodes)
+        rewards = [e[0].reward for e in episodes]
         mean = sum(rewards) / n
         sd = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1)) if n > 1 else 0.0
         half = Z95 * sd / math.sqrt(n)
-        turns = sum(s.num_turns for s in samples)
+        turns = sum(s.num_turns for e in episodes for s in e)
         return cls(env, policy, n, wins / n, wilson(wins, n), mean, (mean - half, mean + half),
-                   sum(s.invalid_actions for s in samples) / max(1, turns), turns / n)
+                   sum(s.invalid_actions for e in episodes for s in e) / max(1, turns), turns / n)
 
     def row(self) -> str:
         return (f"{self.env:<14} {self.policy:<7} {self.episodes:>8}  {self.success:5.3f} "
@@ -94,19 +96,21 @@ def wilson(wins: int, n: int) -> tuple[float, float]:
 
 
 async def evaluate(setup: EpisodeSetup, policy: Policy, tasks: Sequence[int], policy_name: str,
-                   concurrency: int = 64, progress: Callable[[], None] | None = None) -> EvalResult:
-    """One episode per task, at most `concurrency` at once, `progress()` after each; an env or
-    reward failure raises (EpisodeError)."""
+                   concurrency: int = 64, progress: Callable[[], None] | None = None,
+                   play: Callable[[int], Awaitable[list[Sample]]] | None = None) -> EvalResult:
+    """One episode per task, at most `concurrency` at once, `progress()` after each; an env,
+    agent or reward failure raises (EpisodeError). `play`: an episode of a task as its samples
+    (your agent's: actors/agents.py) in place of the episode loop's with `policy`."""
     if not tasks:
         raise ValueError("no tasks to evaluate")
     limit = asyncio.Semaphore(concurrency)
 
-    async def one(task_idx: int) -> Sample:
+    async def one(task_idx: int) -> list[Sample]:
         async with limit:
-            sample = await run_episode(setup, policy, task_idx)
+            samples = await play(task_idx) if play is not None else [await run_episode(setup, policy, task_idx)]
         if progress is not None:
             progress()
-        return sample
+        return samples
 
     try:
         async with asyncio.TaskGroup() as tg:

@@ -34,9 +34,11 @@ import socket
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Awaitable
 
 import aiohttp
 
+from actors.agents import AgentRollouts, load_agent, serve_agents
 from actors.engine import Engine, VLLMEngine
 from actors.episode import EpisodeSetup, ModelPolicy, run_episode
 from actors.templates import make_template
@@ -49,8 +51,9 @@ from broker.retry import REDIS_TRANSIENT, RetryPolicy
 from broker.streams import RolloutProducer
 from broker.weights import WeightStore
 from common.config import Config, require_set
+from common.gpus import gpu_for, visible_gpus
 from common.logs import first_line
-from common.messages import CodecError, RolloutGroup, encode_group
+from common.messages import CodecError, RolloutGroup, Sample, encode_group
 from common.metrics import JsonlSink
 from envs.base import EpisodeError
 from envs.client import EnvClient, EnvError
@@ -80,8 +83,11 @@ class Actor:
             check_weights(cfg.actor.rewards)
             self.train_tasks, _test = task_split(cfg.env)  # no test task is ever trained on
             self.task_data = task_data(cfg.env)
+            # Your own agent plays the episodes through the endpoint (actors/agents.py), or the episode loop does.
+            self.agent = load_agent(cfg.actor)
         except ValueError as exc:
             raise SystemExit(f"error: {exc}") from None
+        self.rollouts: AgentRollouts | None = None
         self.spec = spec_of(cfg.env)
         # The name outlives the process: a restarted actor takes its predecessor's place
         # (membership, and the tickets it left behind come back at once). With no index (a
@@ -144,6 +150,10 @@ class Actor:
                 self.setup = EpisodeSetup(self.env, self.tokenizer, cfg.actor, self.template, cfg.env.name,
                                           self.task_data)
                 self.policy = ModelPolicy(self.engine, self.gate)
+                gateway = None
+                if self.agent is not None:
+                    gateway, self.rollouts = await serve_agents(cfg, self.engine, self.policy, self.agent,
+                                                                self.task_data)
                 self.env_up.set()
                 async with asyncio.TaskGroup() as tg:
                     if cfg.learner.mode == "async":
@@ -157,6 +167,8 @@ class Actor:
                     loops = [tg.create_task(self._group_loop()) for _ in range(cfg.actor.concurrent_groups)]
                     tg.create_task(self._drain(loops, flusher))
                 await self.env.close_kept()  # the instances kept for episodes that will not come
+                if gateway is not None:
+                    await gateway.cleanup()
         finally:
             await asyncio.to_thread(self.link.close)  # leaves the learner's weight group, if a member
             await client.aclose()
@@ -208,22 +220,28 @@ class Actor:
                     raise GroupFailed("weights", f"the weights could not be loaded: {first_line(exc)}") from None
 
     async def _run_group(self, task_idx: int) -> RolloutGroup:
-        """G episodes of one task; the first env or reward failure cancels the others and fails the group."""
+        """G episodes of one task (the agent's, or the episode loop's); the first env, agent or reward
+        failure cancels the others and fails the group."""
         cfg = self.cfg
         self.in_flight += cfg.actor.group_size
         try:
             async with asyncio.TaskGroup() as tg:
-                episodes = [tg.create_task(run_episode(self.setup, self.policy, task_idx))
-                            for _ in range(cfg.actor.group_size)]
+                if self.rollouts is not None:  # an episode is the samples of its segments
+                    episodes = [tg.create_task(self.rollouts.run(task_idx, i)) for i in range(cfg.actor.group_size)]
+                else:
+                    episodes = [tg.create_task(_one(run_episode(self.setup, self.policy, task_idx)))
+                                for _ in range(cfg.actor.group_size)]
         except* EpisodeError as errors:
             first = errors.exceptions[0]
             raise GroupFailed(first.reason, str(first)) from None
         finally:
             self.in_flight -= cfg.actor.group_size
+        played_by = {"agent": cfg.actor.agent_name} if self.rollouts is not None else {
+            "action_template": cfg.actor.action_template}
         return RolloutGroup(task_id=str(task_idx), env_name=cfg.env.name, actor_id=self.name,
                             sampling={"temperature": cfg.actor.temperature, "max_tokens": cfg.actor.max_tokens,
-                                      "action_template": cfg.actor.action_template},
-                            samples=[e.result() for e in episodes])
+                                      **played_by},
+                            samples=[s for e in episodes for s in e.result()])
 
     async def _fail(self, ticket: str, reason: str, message: str) -> None:
         self.failed[reason] += 1
@@ -312,7 +330,8 @@ class Actor:
                             "actor/groups": self.groups, "actor/gen_tokens": self.tokens,
                             "actor/groups_failed": sum(self.failed.values()),
                             "actor/weight_version": self.gate.version, "actor/in_flight_episodes": self.in_flight,
-                            "actor/waited_on_tickets_s": self.admission.waited_s})
+                            "actor/waited_on_tickets_s": self.admission.waited_s,
+                            **({f"actor/agent_{k}": v for k, v in self.rollouts.counts.items()} if self.rollouts else {})})
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), self.cfg.actor.metrics_s)
         finally:
@@ -338,6 +357,10 @@ async def _nothing() -> None:
     pass
 
 
+async def _one(sample: Awaitable[Sample]) -> list[Sample]:
+    return [await sample]
+
+
 async def _wait_either(event: asyncio.Event, stop: asyncio.Event) -> bool:
     """Wait until `event` is set (True) or `stop` is (False)."""
     if event.is_set():
@@ -358,24 +381,13 @@ def actor_seed(base: int, index: int, starts: int) -> int:
     return int.from_bytes(digest, "big") & 0x7FFFFFFF
 
 
-def gpu_for(index: int, learner_ranks: int, visible: list[str]) -> str:
-    """The visible GPU actor `index` uses: one the learner's ranks leave free where there is one."""
-    free = visible[learner_ranks:] or visible
-    return free[index % len(free)]
-
-
 def pick_gpu(index: int, learner_ranks: int) -> None:
     """Narrow CUDA_VISIBLE_DEVICES to this actor's GPU before vLLM starts (nothing here has
     touched CUDA yet)."""
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is None:
-        import torch
-
-        visible = ",".join(str(i) for i in range(torch.cuda.device_count()))
-    ids = [v for v in visible.split(",") if v.strip()]
+    ids = visible_gpus()
     if len(ids) > 1:
         os.environ["CUDA_VISIBLE_DEVICES"] = gpu_for(index, learner_ranks, ids)
-        log.info("actor index %d uses GPU %s of %s", index, os.environ["CUDA_VISIBLE_DEVICES"], visible)
+        log.info("actor index %d uses GPU %s of %s", index, os.environ["CUDA_VISIBLE_DEVICES"], ",".join(ids))
 
 
 def main(cfg: Config, index: int | None = 0) -> None:

@@ -29,6 +29,12 @@ time. Ratios (higher is better, 1.0: no cost over the baseline):
 - episode loop / offline: what the actor's path gets of what vLLM can do with these prompts;
 - engine alone / offline: what one request per turn through AsyncLLM costs (turn-by-turn
   dependency, per-request overhead) against a batch.
+- agent / episode loop: what your own agent costs against our loop on the same work: the
+  example agent (examples/own-agent/agent.py) plays the same tasks with the same turn
+  settings through the OpenAI-compatible endpoint (an HTTP call and the chat template's
+  render a turn, the agent's own env calls); issue 29's goal is at least 0.8.
+- endpoint / episode loop: the same agent loop written with plain aiohttp and one session
+  (no openai client, no tools): what the endpoint itself costs, the client library aside.
 
 On a GPU build of vLLM the engines pick the GPU themselves (vLLM chooses its platform);
 `device` is only recorded.
@@ -52,6 +58,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from benchmarks.common import alternate, pyplot, ratios, row, spread, wait_http
@@ -64,10 +71,13 @@ POINTS = {
     "32 tokens x 6 turns": {"actor": {"max_tokens": 32, "max_turns": 6}, "env": {"turns": 6}, "rounds": 4},
 }
 QUICK_POINTS = {"defaults": {"actor": {}, "env": {}, "rounds": 1}}
-KINDS = ("episode_loop", "engine_alone", "offline")
+KINDS = ("episode_loop", "engine_alone", "offline", "agent", "endpoint")
 LABELS = {"episode_loop": "episode loop (engine + env over HTTP)", "engine_alone": "engine alone (replay)",
-          "offline": "vLLM offline generate"}
-PAIRS = (("episode_loop", "engine_alone"), ("episode_loop", "offline"), ("engine_alone", "offline"))
+          "offline": "vLLM offline generate", "agent": "the example agent (openai client) through the endpoint",
+          "endpoint": "the same agent loop, plain aiohttp, through the endpoint"}
+PAIRS = (("episode_loop", "engine_alone"), ("episode_loop", "offline"), ("engine_alone", "offline"),
+         ("agent", "episode_loop"), ("endpoint", "episode_loop"))
+AGENT = Path(__file__).resolve().parents[1] / "examples" / "own-agent" / "agent.py"
 FIGURES = ("tokens_per_s", "requests_per_s", "tokens", "requests", "mean_prompt", "seconds")
 RESULT = "omrl-offline "  # prefix of the offline server's answers on its stdout
 
@@ -116,6 +126,90 @@ async def episode_loop(setup, engine, loops: int, rounds: int) -> tuple[dict, li
     seconds = time.perf_counter() - started
     flat = [r for per_loop in recorder.requests for r in per_loop]
     return _figures(recorder.generated, flat, seconds), recorder.requests
+
+
+class CountingEngine:
+    """The engine, counting what it was asked and what it generated (the endpoint's requests,
+    which come from its handlers: nothing is replayed of them)."""
+
+    def __init__(self, engine):
+        self.engine, self.tokenizer = engine, engine.tokenizer
+        self.generated = self.requests = self.prompt_tokens = 0
+
+    async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None,
+                       turn_start: int | None = None, sent=None, stops: list[str] | None = None):
+        self.requests, self.prompt_tokens = self.requests + 1, self.prompt_tokens + len(prompt_ids)
+        generation = await self.engine.generate(prompt_ids, max_tokens, temperature, turn_start, sent, stops)
+        self.generated += len(generation.token_ids)
+        return generation
+
+
+async def lean_agent(http, task: dict, base_url: str, actor) -> float:
+    """The example agent's loop without its libraries: the endpoint and the env over one shared
+    aiohttp session, JSON by hand (what the endpoint itself costs, less the openai client's work)."""
+    env = task["env_url"]
+    async with http.post(f"{env}/create", json={}) as r:
+        env_id = (await r.json())["id"]
+    async with http.post(f"{env}/reset", json={"id": env_id, "data_idx": task["task_id"]}) as r:
+        messages, total = [{"role": "user", "content": (await r.json())["observation"]}], 0.0
+    for _ in range(actor.max_turns):
+        async with http.post(f"{base_url}/chat/completions", json={
+                "model": "policy", "messages": messages, "max_tokens": actor.max_tokens, "stop": actor.stop}) as r:
+            text = (await r.json())["choices"][0]["message"]["content"] or ""
+        messages.append({"role": "assistant", "content": text})
+        async with http.post(f"{env}/step", json={"id": env_id, "action": text}) as r:
+            step = await r.json()
+        total += float(step["reward"])
+        if step["done"]:
+            break
+        messages.append({"role": "user", "content": step["observation"]})
+    async with http.post(f"{env}/close", json={"id": env_id}):
+        pass
+    return total
+
+
+async def agent_loops(cfg, engine, loops: int, rounds: int, lean: bool = False) -> dict:
+    """`loops` loops of the example agent (examples/own-agent/agent.py, its tiny-model form with
+    the point's turn settings; `lean`: `lean_agent`, the same loop without the openai client),
+    each playing `rounds` episodes back to back through the endpoint as an actor serves it
+    (actors/agents.py): the same tasks as the episode loops, the same engine, each agent
+    calling the env server itself and the engine over HTTP."""
+    import aiohttp
+    from openai import AsyncOpenAI
+
+    from actors.agents import import_named, serve_agents
+    from actors.episode import ModelPolicy
+    from actors.weights import WeightGate
+
+    react = import_named(str(AGENT)).react
+    counting = CountingEngine(engine)
+    client = AsyncOpenAI(base_url="http://127.0.0.1/v1", api_key="bench", max_retries=0)  # one, as the actor's
+    http = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256))
+    actor = cfg.actor
+
+    async def agent(task, base_url, key):
+        if lean:
+            return await lean_agent(http, task, base_url, actor)
+        return await react(task, client.with_options(base_url=base_url), system=None, max_tokens=actor.max_tokens,
+                           stop=actor.stop, max_turns=actor.max_turns)
+
+    runner, rollouts = await serve_agents(cfg, counting, ModelPolicy(counting, WeightGate()), agent, {})
+
+    async def one_loop(w: int) -> None:
+        for i in range(rounds):
+            await rollouts.run(w + loops * i, 0)
+
+    try:
+        started = time.perf_counter()
+        await asyncio.gather(*[one_loop(w) for w in range(loops)])
+        seconds = time.perf_counter() - started
+    finally:
+        await runner.cleanup()
+        await client.close()
+        await http.close()
+    return {"tokens_per_s": counting.generated / seconds, "requests_per_s": counting.requests / seconds,
+            "tokens": counting.generated, "requests": counting.requests, "seconds": seconds,
+            "mean_prompt": counting.prompt_tokens / max(1, counting.requests)}
 
 
 async def engine_alone(engine, requests: list[list[tuple[list[int], int]]]) -> dict:
@@ -319,6 +413,7 @@ def _measure_point(name, p, base, port, session, engine, offline, params, loops,
     the requests of the episode-loop run just before them."""
     from actors.episode import EpisodeSetup
     from actors.templates import make_template
+    from common.config import Config, EnvConfig, ModelConfig
     from envs.client import EnvClient
     from envs.specs import spec_for
 
@@ -348,7 +443,19 @@ def _measure_point(name, p, base, port, session, engine, offline, params, loops,
         figures["offline"].append(offline.measure(flat, params))
         return figures["offline"][-1]["tokens_per_s"]
 
-    measures = {"episode_loop": episode, "engine_alone": alone, "offline": off}
+    agent_cfg = Config(model=ModelConfig(path="tiny"), actor=actor,
+                       env=EnvConfig(name="letters", url=f"http://127.0.0.1:{port}"))
+
+    def through_endpoint(kind: str) -> Callable[[], float]:
+        def measure() -> float:
+            loop.run_until_complete(engine.llm.reset_prefix_cache())
+            figures[kind].append(loop.run_until_complete(agent_loops(agent_cfg, engine, loops, p["rounds"],
+                                                                     lean=kind == "endpoint")))
+            return figures[kind][-1]["tokens_per_s"]
+        return measure
+
+    measures = {"episode_loop": episode, "engine_alone": alone, "offline": off, "agent": through_endpoint("agent"),
+                "endpoint": through_endpoint("endpoint")}
     alternate(measures, 1)  # warm-up
     for kind in KINDS:
         figures[kind].clear()
@@ -361,7 +468,9 @@ def _measure_point(name, p, base, port, session, engine, offline, params, loops,
         point[f"ratio_{system}_{baseline}"] = ratios(runs[system], runs[baseline])
     print(f"engine {name:<20} tokens/s: episode loop {point['episode_loop']['tokens_per_s']['median']:8.0f}  "
           f"engine alone {point['engine_alone']['tokens_per_s']['median']:8.0f}  "
-          f"offline {point['offline']['tokens_per_s']['median']:8.0f}", flush=True)
+          f"offline {point['offline']['tokens_per_s']['median']:8.0f}  "
+          f"agent {point['agent']['tokens_per_s']['median']:8.0f}  "
+          f"endpoint {point['endpoint']['tokens_per_s']['median']:8.0f}", flush=True)
     return point
 
 
@@ -369,9 +478,9 @@ def plot(result: dict, path) -> None:
     plt = pyplot()
     points = result["points"]
     fig, ax = plt.subplots(figsize=(3 + 2.5 * len(points), 4))
-    width = 0.27
+    width = 0.16
     for i, kind in enumerate(KINDS):
-        x = [j + (i - 1) * width for j in range(len(points))]
+        x = [j + (i - 2) * width for j in range(len(points))]
         med = [p[kind]["tokens_per_s"]["median"] for p in points]
         err = [[m - p[kind]["tokens_per_s"]["min"] for m, p in zip(med, points)],
                [p[kind]["tokens_per_s"]["max"] - m for m, p in zip(med, points)]]
@@ -379,7 +488,7 @@ def plot(result: dict, path) -> None:
     ax.set_xticks(range(len(points)), [f"{p['point']}\n({p['episodes']} concurrent episodes)" for p in points])
     ax.set_ylim(0, 1.35 * max(p[kind]["tokens_per_s"]["max"] for p in points for kind in KINDS))  # room for the legend
     ax.set_ylabel("generated tokens/s (median, range)")
-    ax.set_title("episode loop vs engine alone vs vLLM offline")
+    ax.set_title("episode loop vs engine alone vs vLLM offline vs an agent through the endpoint")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -36,7 +36,9 @@ import numpy as np
 from benchmarks.common import omrl_run, pyplot, row
 from common.cli import override
 
-SETTINGS = ["env.name=long_tail", "actor.max_turns=64", "actor.max_seq_len=1024", "run.log_level=WARNING"]
+# No evaluator: its engine would take CPU from the measured layouts.
+SETTINGS = ["env.name=long_tail", "actor.max_turns=64", "actor.max_seq_len=1024", "run.log_level=WARNING",
+            "learner.eval_every=0"]
 ETAS = (1, 2, 4, 8)
 STEPS = 30
 REPEATS = 2  # of the eta sweep and of the shared pair; the actor sweep runs once

@@ -22,7 +22,7 @@ from common.progress import Progress
 BENCHMARKS = {"broker": "benchmarks.broker", "pipeline": "benchmarks.pipeline", "weights": "benchmarks.weights",
               "engine": "benchmarks.engine", "learner": "benchmarks.learner", "memory": "benchmarks.memory",
               "shards": "benchmarks.shards", "fanout": "benchmarks.fanout", "env": "benchmarks.env",
-              "staleness": "benchmarks.staleness", "scale": "benchmarks.scale"}
+              "staleness": "benchmarks.staleness", "scale": "benchmarks.scale", "evaluator": "benchmarks.evaluator"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:

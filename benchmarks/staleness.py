@@ -65,7 +65,9 @@ from benchmarks.common import omrl_run, pyplot, row
 from benchmarks.pipeline import layout, layouts
 from common.cli import override
 
-SETTINGS = ["env.name=grid_nav", "actor.max_tokens=1", "actor.max_turns=8", "run.log_level=WARNING"]
+# No evaluator: its engine would take CPU from the arms' time to target.
+SETTINGS = ["env.name=grid_nav", "actor.max_tokens=1", "actor.max_turns=8", "run.log_level=WARNING",
+            "learner.eval_every=0"]
 TRUST_REGION = {"learner.minibatches": 4}  # every arm's but the one-update one
 # (name, learner fields): the arms, in the order each seed runs them
 ARMS = [

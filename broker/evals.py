@@ -1,5 +1,6 @@
-"""Evaluation results on held-out tasks: the evaluator (actors/evaluator.py) writes one JSON record
-per evaluation to a capped stream; the learner reads those newer than what it has seen into
+"""Evaluation results on held-out tasks: the evaluator (actors/evaluator.py) claims each slot of
+learner.eval_every versions before it evaluates one of them and writes one JSON record per
+evaluation to a capped stream; the learner reads those newer than what it has seen into
 metrics.jsonl, and `omrl status` shows the newest."""
 
 from __future__ import annotations
@@ -10,10 +11,29 @@ from typing import Any
 from broker.keys import Keys
 
 KEEP = 1000
+CLAIM_TTL_S = 7 * 24 * 3600  # a slot's claim outlives any evaluation of it; versions only go up
 
 
-async def publish_eval(client, keys: Keys, record: dict[str, Any]) -> None:
-    await client.xadd(keys.evals, {b"r": json.dumps(record)}, maxlen=KEEP, approximate=True)
+async def claim_eval(client, keys: Keys, slot: int, evaluator: str) -> bool:
+    """Whether `evaluator` takes evaluation slot `slot` (the versions from slot * eval_every on):
+    the first to ask does, so evaluators scaled out (compose's --scale) share the versions
+    instead of each evaluating every one. A restarted evaluator (the same name: one a host or
+    container) takes its predecessor's slot again, whose evaluation died with it, unless that
+    evaluation was published (`finish_eval`)."""
+    key = keys.eval_claim(slot)
+    if await client.set(key, evaluator, nx=True, ex=CLAIM_TTL_S):
+        return True
+    holder = await client.get(key)
+    return holder is not None and (holder.decode() if isinstance(holder, bytes) else holder) == evaluator
+
+
+async def finish_eval(client, keys: Keys, slot: int, evaluator: str, record: dict[str, Any]) -> None:
+    """The evaluation of slot `slot` published, and its claim marked done in one transaction: no
+    evaluator, not even a restart of this one, plays that slot again."""
+    async with client.pipeline(transaction=True) as pipe:
+        pipe.xadd(keys.evals, {b"r": json.dumps(record)}, maxlen=KEEP, approximate=True)
+        pipe.set(keys.eval_claim(slot), f"{evaluator}:done", ex=CLAIM_TTL_S)
+        await pipe.execute()
 
 
 async def newest_eval(client, keys: Keys) -> dict[str, Any] | None:

@@ -94,6 +94,10 @@ class Keys:
         """Stream of evaluation results on held-out tasks (one JSON record per evaluation)."""
         return f"{self.prefix}:eval"
 
+    def eval_claim(self, slot: int) -> str:
+        """String: the evaluator that took evaluation slot `slot` (versions slot * eval_every ...)."""
+        return f"{self.prefix}:eval:claim:{slot}"
+
     @property
     def members(self) -> str:
         """Hash: member id -> last heartbeat record."""

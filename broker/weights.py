@@ -35,6 +35,7 @@ from redis.exceptions import ResponseError
 
 from broker.keys import Keys
 from broker.retry import REDIS_TRANSIENT
+from common.files import write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -81,7 +82,7 @@ class WeightStore:
         record = {"version": version, "step": step, "nbytes": nbytes, "sha256": digest}
         if self.directory:
             path = os.path.join(self.directory, f"v{version}.safetensors")
-            await asyncio.to_thread(_link_atomic if from_file else _write_atomic, path, blob)
+            await asyncio.to_thread(_link_atomic if from_file else write_atomic, path, blob)
             record.update(transport="dir", path=path)
         else:
             # A value over proto-max-bulk-len makes the server drop the connection: chunks stay under it.
@@ -208,17 +209,6 @@ def _link_atomic(path: str, source: str) -> None:
         os.link(source, tmp)
     except OSError:  # a filesystem without hard links
         shutil.copyfile(source, tmp)
-    os.replace(tmp, path)
-
-
-def _write_atomic(path: str, blob: bytes) -> None:
-    """Readers see the whole file or none: written under a temporary name, synced, renamed."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(blob)
-        f.flush()
-        os.fsync(f.fileno())
     os.replace(tmp, path)
 
 

@@ -7,6 +7,7 @@ Bad config fails at start with the field's dotted name and what to change.
 from __future__ import annotations
 
 import os
+import re
 import tomllib
 from pathlib import Path
 from typing import Any, Literal
@@ -206,6 +207,30 @@ class ActorConfig(Section):
     """On stop, how long groups in flight may run before they are cancelled (reason cancelled)."""
     flush_s: float = Field(5.0, ge=0)
     """On stop, how long finished groups may take to reach Redis, after the drain."""
+    agent: str | None = None
+    """Your own agent plays the episodes (docs/guides/agents.md): "module:function" or
+    "path/to/file.py:function" (relative to where omrl runs), an `async def
+    rollout(task, client)` given the task (a dict: task_id, env, env_url, data) and an
+    openai.AsyncOpenAI client on this actor's endpoint, returning its reward (or None, having posted
+    rewards to the session). Unset, with agent_url unset too: the actor's own episode loop."""
+    agent_url: str | None = None
+    """Your agent as an HTTP service in any language: for each episode the actor POSTs {"task",
+    "base_url", "session"} to this URL and takes the reward from the answer's {"reward": ...}."""
+    agent_timeout_s: float = Field(600.0, gt=0)
+    """One agent episode may take this long; past it the group fails (reason agent_timeout)."""
+    @property
+    def agent_name(self) -> str | None:
+        """Your agent as the config names it (actor.agent or agent_url); None: the episode loop plays."""
+        return self.agent or self.agent_url or None
+
+    gateway_host: str = "127.0.0.1"
+    """Host the actor's OpenAI-compatible endpoint binds to (served when actor.agent or agent_url is set)."""
+    gateway_port: int = Field(0, ge=0, le=65535)
+    """Its port (0: a free one, which the actor's log names). A fixed port suits one actor a host (a
+    container); `omrl run` starts several on one host: leave it 0. The evaluator's is always free."""
+    gateway_url: str | None = None
+    """The endpoint's URL as agents reach it (unset: http://{gateway_host}:{port}); set it where an
+    agent service runs elsewhere (compose: http://actor:PORT)."""
 
 
 class LearnerConfig(Section):
@@ -301,10 +326,12 @@ class LearnerConfig(Section):
     so with several nodes RUN_DIR must be one file system they all reach)."""
     dedup_window: int = Field(100_000, ge=1)
     """Ids of the last this-many groups trained on are remembered (and checkpointed) to skip redeliveries."""
-    eval_every: int = Field(0, ge=0)
+    eval_every: int = Field(20, ge=0)
     """Every this many weight versions the evaluator (its own process and engine; `omrl run` starts it)
-    plays learner.eval_tasks held-out tasks greedily on one version; the result lands in metrics.jsonl
-    (eval/...) and `omrl status`. 0: no evaluator."""
+    plays learner.eval_tasks held-out tasks greedily on one version, the first at the first version it
+    sees; the result lands in metrics.jsonl (eval/...), the sinks, the plot and `omrl status`. Nothing
+    waits for it. On GPUs, `omrl run` starts it only where GPUs are left that no learner rank and no
+    actor uses (it gets actor.tensor_parallel_size of them: common/gpus.py). 0: no evaluator."""
     eval_tasks: int = Field(32, ge=1)
     """Held-out tasks per evaluation during training (the first ones of the test split)."""
     samples_every: int = Field(10, ge=0)
@@ -449,16 +476,24 @@ class RunConfig(Section):
     plugins: list[str] = Field(default_factory=list)
     """Modules of your own (dotted names, importable: installed, or on PYTHONPATH) that every role and
     command imports before any check: they register envs, reward functions and action templates."""
-    metrics: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(default_factory=lambda: ["jsonl", "tensorboard"])
+    metrics: list[Literal["jsonl", "tensorboard", "wandb", "mlflow"]] = Field(
+        default_factory=lambda: ["jsonl", "tensorboard"])
     """Where the learner's and `omrl sft`'s metrics go. RUN_DIR/metrics.jsonl is always written (plots,
     `omrl status` and resumes read it); "tensorboard" writes event files in RUN_DIR/tensorboard
-    (`tensorboard --logdir RUN_DIR`), "wandb" a W&B run in RUN_DIR/wandb in run.wandb_mode (pip install
-    'openmanus-rl[metrics]'). What each metric means: docs/reference/metrics.md."""
+    (`tensorboard --logdir RUN_DIR`), "wandb" a W&B run in RUN_DIR/wandb in run.wandb_mode, "mlflow" an
+    MLflow run at run.mlflow_uri (both: pip install 'openmanus-rl[metrics]'). What each metric means:
+    docs/reference/metrics.md."""
     wandb_project: str = "openmanus-rl"
     """The W&B project of runs with "wandb" in run.metrics; the run is named after RUN_DIR."""
     wandb_mode: Literal["offline", "online"] = "offline"
     """offline: W&B writes RUN_DIR/wandb with no account or network (upload later: wandb sync
     RUN_DIR/wandb/offline-run-*); online: it logs in (WANDB_API_KEY) and sends as it goes."""
+    mlflow_uri: str | None = None
+    """The MLflow tracking store of runs with "mlflow" in run.metrics: a server (http://host:5000) or a
+    database URI. Unset: RUN_DIR/mlflow.db, artifacts in RUN_DIR/mlartifacts (`mlflow ui
+    --backend-store-uri sqlite:///RUN_DIR/mlflow.db`, with the full mlflow package)."""
+    mlflow_experiment: str = "openmanus-rl"
+    """The MLflow experiment of runs with "mlflow" in run.metrics; the run is named after RUN_DIR."""
     plot_every_s: float = Field(300.0, ge=0)
     """`omrl run` redraws RUN_DIR/metrics.png this often while the run goes on, and at its end; 0: only at
     the end. `omrl plot RUN_DIR` draws it at any time."""
@@ -505,6 +540,15 @@ class Config(Section):
                              "max_model_len or lower max_seq_len")
         if self.learner.algorithm == "drgrpo" and self.learner.token_sum_norm is None:
             self.learner.token_sum_norm = self.actor.max_tokens * self.actor.max_turns
+        if self.actor.agent and self.actor.agent_url:
+            raise ValueError("actor.agent and actor.agent_url are both set: an agent is either a Python callable "
+                             "(agent) or an HTTP service (agent_url); unset one")
+        if self.actor.agent and not re.fullmatch(r"[^:\s]+:\w+", self.actor.agent):
+            raise ValueError(f"actor.agent must be \"module:function\" or \"path/to/file.py:function\" (an async def "
+                             f"rollout(task, client)), "
+                             f"got {self.actor.agent!r}")
+        if self.actor.agent_url and not self.actor.agent_url.startswith(("http://", "https://")):
+            raise ValueError(f"actor.agent_url must be an http(s) URL, got {self.actor.agent_url!r}")
         if self.actor.max_tokens >= self.actor.max_seq_len:
             raise ValueError("actor.max_tokens must be below actor.max_seq_len: raise max_seq_len or lower max_tokens")
         return self
@@ -560,11 +604,12 @@ def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 def env_overrides(environ: dict[str, str] | None = None) -> list[str]:
-    """OMRL_LEARNER__LR=1e-3 -> ["learner.lr=1e-3"]."""
+    """OMRL_LEARNER__LR=1e-3 -> ["learner.lr=1e-3"]. An empty variable sets nothing (compose's
+    `${VAR:-}` passes a variable the user did not set as an empty one)."""
     environ = os.environ if environ is None else environ
     out = []
     for key, value in environ.items():
-        if key.startswith(ENV_PREFIX) and "__" in key:
+        if key.startswith(ENV_PREFIX) and "__" in key and value != "":
             dotted = key[len(ENV_PREFIX):].lower().replace("__", ".")
             out.append(f"{dotted}={value}")
     return sorted(out)

@@ -31,7 +31,8 @@ import msgpack
 import numpy as np
 
 KIND_ROLLOUT_GROUP = "rollout_group"
-SCHEMA_VERSION = 4  # 2: samples carry success and invalid_actions; 3: turn_states; 4: samples as columns
+SCHEMA_VERSION = 5  # 2: samples carry success and invalid_actions; 3: turn_states; 4: samples as columns;
+# 5: the episode each sample is a segment of
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 
 # Per-token arrays of a sample, with the dtype they travel as.
@@ -54,6 +55,7 @@ SAMPLE_TYPES: dict[str, tuple[type, ...]] = {
     "env_name": (str,),
     "turn_states": (list,),
     "timing": (dict,),
+    "episode": (int,),
 }
 SAMPLE_LISTS = {name: frozenset(types) for name, types in SAMPLE_TYPES.items()}  # for the checks
 
@@ -96,6 +98,10 @@ class Sample:
     """A key of the env state each turn acted in (GiGPO's anchors): equal keys, equal states. One
     per turn, or none where unknown."""
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
+    episode: int = -1
+    """The episode of its group this sample is a segment of: an agent's session whose prompt stopped
+    extending its tokens is cut into segments (actors/gateway.py), each a sample with its own prompt,
+    every one with its episode's reward. -1: an episode of its own, whole."""
 
     def oldest_version(self) -> int:
         """The oldest weight version that produced any of its generated tokens (-1 if none)."""
@@ -117,7 +123,26 @@ class RolloutGroup:
 
     @property
     def rewards(self) -> np.ndarray:
-        return np.array([s.reward for s in self.samples], dtype=np.float32)
+        """(episodes,) each episode's reward, in the order the episodes first appear."""
+        return np.array([segments[0].reward for segments in self.by_episode()], dtype=np.float32)
+
+    def by_episode(self) -> list[list[Sample]]:
+        """The samples of each episode (its segments, in order), the episodes in the order they first appear."""
+        episodes: dict[int, list[Sample]] = {}
+        for episode, sample in zip(self.episodes(), self.samples):
+            episodes.setdefault(episode, []).append(sample)
+        return list(episodes.values())
+
+    def episodes(self) -> list[int]:
+        """The episode of each sample: segments of one episode share it, a sample with episode -1
+        has one of its own."""
+        return [s.episode if s.episode >= 0 else -1 - i for i, s in enumerate(self.samples)]
+
+    def episode_positions(self) -> list[int]:
+        """Each sample's episode as a position in `rewards`."""
+        episodes = self.episodes()
+        order = {e: k for k, e in enumerate(dict.fromkeys(episodes))}
+        return [order[e] for e in episodes]
 
     def oldest_version(self) -> int:
         """The oldest weight version that produced any token of the group (-1 if none)."""
@@ -182,6 +207,7 @@ def encode_group(group: RolloutGroup, max_bytes: int = DEFAULT_MAX_BYTES) -> byt
         "env_name": [s.env_name for s in samples],
         "turn_states": [[str(k) for k in s.turn_states] for s in samples],
         "timing": [{k: float(v) for k, v in s.timing.items()} for s in samples],
+        "episode": [int(s.episode) for s in samples],
     })
     try:
         data = msgpack.packb(payload, use_bin_type=True)
@@ -275,9 +301,15 @@ def decode_group(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -
     for name, counts in (("lengths", lengths), ("num_turns", num_turns)):
         if min(counts) < 0:
             raise CodecError(f"samples[{next(i for i, n in enumerate(counts) if n < 0)}].{name}: negative")
-    for i, reward in enumerate(per_sample["reward"]):
+    episode_reward: dict[int, float] = {}
+    for i, (reward, episode) in enumerate(zip(per_sample["reward"], per_sample["episode"])):
         if not math.isfinite(reward):
             raise CodecError(f"samples[{i}].reward: not finite (NaN or infinite values)")
+        if episode < -1:
+            raise CodecError(f"samples[{i}].episode: {episode}, expected an index or -1 (an episode of its own)")
+        if episode >= 0 and episode_reward.setdefault(episode, reward) != reward:
+            raise CodecError(f"samples[{i}].reward: {reward}, but an earlier segment of episode {episode} has "
+                             f"{episode_reward[episode]} (an episode's segments share its reward)")
     for i, states in enumerate(per_sample["turn_states"]):
         if states and (len(states) != num_turns[i] or not all(type(k) is str for k in states)):
             raise CodecError(f"samples[{i}].turn_states: expected {num_turns[i]} strings (one per turn) or none")
@@ -305,10 +337,11 @@ def decode_group(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -
         Sample(tokens=tokens[a:b], loss_mask=loss_mask[a:b], logprobs=logprobs[a:b], versions=versions[a:b],
                reward=float(reward), turn_rewards=turn_rewards[ta:tb], num_turns=turns, finish_reason=finish,
                task_id=task, env_name=env, success=success, invalid_actions=invalid, turn_states=states,
-               timing=timing)
-        for a, b, ta, tb, turns, reward, success, invalid, finish, task, env, states, timing in zip(
+               timing=timing, episode=episode)
+        for a, b, ta, tb, turns, reward, success, invalid, finish, task, env, states, timing, episode in zip(
             starts, starts[1:], turn_starts, turn_starts[1:], num_turns, *map(per_sample.get, (
-                "reward", "success", "invalid_actions", "finish_reason", "task_id", "env_name", "turn_states", "timing")))
+                "reward", "success", "invalid_actions", "finish_reason", "task_id", "env_name", "turn_states", "timing",
+                "episode")))
     ]
     return RolloutGroup(
         group_id=_field(obj, "group_id", (str,), "group"),

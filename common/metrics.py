@@ -1,5 +1,5 @@
 """Metrics: one JSON object per learner step in RUN_DIR/metrics.jsonl, and the same numbers in the
-sinks `run.metrics` names (TensorBoard, W&B), each imported only when named.
+sinks `run.metrics` names (TensorBoard, W&B, MLflow), each imported only when named.
 
 The JSONL file is the run's record: plots, `omrl status` and resumes read it, so it is always
 written and a sink that fails is dropped with a warning while the run goes on. The names of the
@@ -12,21 +12,33 @@ import logging
 import math
 import numbers
 import shutil
+import time
 import uuid
 from pathlib import Path
 from typing import Any
 
+from common.logs import first_line
+
 log = logging.getLogger(__name__)
 
-# The package each optional sink imports (preflight checks it is there before a run starts).
-SINK_PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb"}
-WANDB_ID_FILE = "wandb-run-id"  # in the run dir: a restarted learner logs under the same W&B id
+# The modules each optional sink imports (preflight checks they are there before a run starts), and
+# what pip installs them (MLflow's own store in the run dir is a SQLite database: SQLAlchemy, Alembic).
+SINK_PACKAGES = {"tensorboard": ("tensorboard",), "wandb": ("wandb",), "mlflow": ("mlflow", "sqlalchemy", "alembic")}
+SINK_PIP = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow-skinny sqlalchemy alembic"}
+# In the run dir: a restarted learner logs under the same run id.
+RUN_ID_FILES = {"wandb": "wandb-run-id", "mlflow": "mlflow-run-id"}
 
 
 def install_hint(name: str) -> str:
-    """What to do when the package of sink `name` is missing."""
-    return (f"pip install {SINK_PACKAGES[name]} (or 'openmanus-rl[metrics]'), or take {name!r} out of "
+    """What to do when a package of sink `name` is missing."""
+    return (f"pip install {SINK_PIP[name]} (or 'openmanus-rl[metrics]'), or take {name!r} out of "
             "run.metrics")
+
+
+def kept_run_id(run_dir: Path, sink: str) -> str | None:
+    """The run id a sink kept in `run_dir` (a restarted learner logs under it), if any."""
+    path = run_dir / RUN_ID_FILES[sink]
+    return path.read_text().strip() or None if path.exists() else None
 
 
 def chosen_sinks(run_cfg) -> list[str]:
@@ -124,12 +136,11 @@ class WandbSink:
     def __init__(self, run_dir: Path, cfg):
         import wandb
 
-        id_file = run_dir / WANDB_ID_FILE
-        run_id = id_file.read_text().strip() if id_file.exists() else uuid.uuid4().hex[:12]
+        run_id = kept_run_id(run_dir, "wandb") or uuid.uuid4().hex[:12]
         self.run = wandb.init(project=cfg.run.wandb_project, name=run_dir.resolve().name, id=run_id, resume="allow",
                               dir=str(run_dir), mode=cfg.run.wandb_mode, config=_dump(cfg),
                               settings=wandb.Settings(console="off", silent=True))
-        id_file.write_text(run_id + "\n")
+        (run_dir / RUN_ID_FILES["wandb"]).write_text(run_id + "\n")
         self.run.define_metric("step")
         self.run.define_metric("*", step_metric="step")
 
@@ -146,20 +157,80 @@ class WandbSink:
         self.run.finish()
 
 
-SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink}
+class MlflowSink:
+    """An MLflow run in experiment run.mlflow_experiment at run.mlflow_uri (unset: a SQLite store in
+    RUN_DIR/mlflow.db, artifacts in RUN_DIR/mlartifacts), named after the run dir, the config as its
+    parameters and as config.json. A restarted learner logs to the same run (RUN_DIR/mlflow-run-id);
+    each metric is a series against the learner's step, kept episodes artifacts under samples/."""
+
+    BATCH = 1000  # MLflow's most metrics in one log_batch
+
+    def __init__(self, run_dir: Path, cfg):
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
+        logging.getLogger("alembic").setLevel(logging.WARNING)  # its migrations, once per new store
+        local = not cfg.run.mlflow_uri
+        uri = f"sqlite:///{(run_dir / 'mlflow.db').resolve()}" if local else cfg.run.mlflow_uri
+        self.client = MlflowClient(tracking_uri=uri)
+        self.run_id = kept_run_id(run_dir, "mlflow")
+        if self.run_id is not None:
+            try:
+                self.client.update_run(self.run_id, status="RUNNING")
+            except MlflowException as exc:  # the store was emptied or changed (run.mlflow_uri): a new run
+                log.warning("MLflow run %s of %s is not in %s (%s): logging to a new run", self.run_id,
+                            RUN_ID_FILES["mlflow"], uri, first_line(exc))
+                self.run_id = None
+        if self.run_id is None:
+            name = cfg.run.mlflow_experiment
+            experiment = self.client.get_experiment_by_name(name)
+            experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(
+                name, artifact_location=(run_dir / "mlartifacts").resolve().as_uri() if local else None)
+            self.run_id = self.client.create_run(experiment_id, run_name=run_dir.resolve().name).info.run_id
+            config = _dump(cfg)
+            # section.field: a table (env.options, actor.rewards) as one JSON value, so that no
+            # key of the user's becomes a parameter name
+            params = [(f"{section}.{key}", value if isinstance(value, str) else json.dumps(value, sort_keys=True))
+                      for section, fields in config.items() for key, value in fields.items()]
+            from mlflow.entities import Param
+
+            for i in range(0, len(params), 100):  # MLflow's most parameters in one log_batch
+                self.client.log_batch(self.run_id, params=[Param(k, v[:6000]) for k, v in params[i:i + 100]])
+            self.client.log_dict(self.run_id, config, "config.json")
+            (run_dir / RUN_ID_FILES["mlflow"]).write_text(self.run_id + "\n")
+
+    def write(self, record: dict[str, Any]) -> None:
+        from mlflow.entities import Metric
+
+        stamp = int((record.get("time") or time.time()) * 1000)  # omrl sft's records have no time
+        metrics = [Metric(key, value, stamp, record["step"]) for key, value in scalars(record).items()]
+        for i in range(0, len(metrics), self.BATCH):
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + self.BATCH])
+
+    def text(self, step: int, texts: dict[str, str]) -> None:
+        for tag, text in texts.items():  # samples/best -> samples/step-000010/best.txt
+            head, _, tail = tag.rpartition("/")
+            self.client.log_text(self.run_id, text, f"{head or 'text'}/step-{step:06d}/{tail}.txt")
+
+    def close(self) -> None:
+        self.client.set_terminated(self.run_id)
+
+
+SINKS = {"tensorboard": TensorBoardSink, "wandb": WandbSink, "mlflow": MlflowSink}
 
 
 class Sinks:
     """The JSONL file and every sink `run.metrics` names, written together. A sink that cannot
     start stops the start, naming run.metrics; one that raises later is closed and dropped, with a
     warning naming it, and the others go on: the JSONL is the record. `fresh`: start over in
-    `directory` (the JSONL, the event files and the W&B id of an earlier run there go)."""
+    `directory` (the JSONL, the event files and the run ids of an earlier run there go)."""
 
     def __init__(self, directory: str | Path, cfg, jsonl: str = "metrics.jsonl", fresh: bool = False):
         directory = Path(directory)
         if fresh:
             (directory / jsonl).unlink(missing_ok=True)
-            (directory / WANDB_ID_FILE).unlink(missing_ok=True)
+            for id_file in RUN_ID_FILES.values():
+                (directory / id_file).unlink(missing_ok=True)
             shutil.rmtree(directory / "tensorboard", ignore_errors=True)
         self.jsonl = JsonlSink(directory / jsonl)
         self.sinks: dict[str, Any] = {}
@@ -206,3 +277,4 @@ class Sinks:
 
 def _dump(cfg) -> dict[str, Any]:
     return cfg.model_dump(mode="json", exclude_none=True)
+

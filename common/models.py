@@ -115,14 +115,29 @@ def load_causal_lm(path_or_id: str, dtype: str = "float32"):
     return AutoModelForCausalLM.from_pretrained(path_or_id, dtype=getattr(torch, dtype))
 
 
-def save_policy(model, tokenizer_from: str, out: str | Path, state_dict: dict | None = None) -> Path:
+def save_policy(model, tokenizer_from: str, out: str | Path, state_dict: dict | None = None,
+                files: dict[str, str] | None = None) -> Path:
     """`model` (with `state_dict`'s weights when given) and the tokenizer of `tokenizer_from`,
-    written with save_pretrained: what transformers and vLLM load."""
+    written with save_pretrained (what transformers and vLLM load), with `files` (name -> text)
+    beside them. Whole or not at all (common/files.py): a process that dies while writing leaves
+    the earlier `out` (or none), never a half-written model that a reader loads."""
+    import shutil
+
     from transformers import AutoTokenizer
 
-    model.save_pretrained(out, state_dict=state_dict, safe_serialization=True)
-    AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(out)
-    return Path(out)
+    from common.files import replace_dir, temporary_beside
+
+    out = Path(out).absolute()
+    tmp = temporary_beside(out)
+    try:
+        model.save_pretrained(tmp, state_dict=state_dict, safe_serialization=True)
+        AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(tmp)
+        for name, text in (files or {}).items():
+            (tmp / name).write_text(text)
+        replace_dir(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
 
 
 SAFETENSORS_DTYPES = {"float32": "F32", "bfloat16": "BF16", "float16": "F16", "float64": "F64", "int64": "I64",

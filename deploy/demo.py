@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from common.config import to_toml
+from common.files import write_atomic
 from common.progress import Progress
 
 log = logging.getLogger("omrl.demo")
@@ -129,7 +130,7 @@ class Demo:
         t0 = time.monotonic()
         body()
         self.times[name] = self.done[name] = time.monotonic() - t0
-        self.state_path.write_text(json.dumps(self.done, indent=2))
+        write_atomic(self.state_path, json.dumps(self.done, indent=2))  # a later invocation resumes from it
         log.info("stage %s: %.0f s", name, self.times[name])
         self.bar.update(note=name)
 
@@ -178,7 +179,7 @@ class Demo:
 
     def evaluate(self, model: str, name: str) -> None:
         results = evaluate_levels(self.out, self.out / model, self.levels)
-        (self.out / f"{name}.json").write_text(json.dumps(results, indent=2))
+        write_atomic(self.out / f"{name}.json", json.dumps(results, indent=2))
 
     def rl(self, name: str = "rl", overrides: list[str] = ()) -> None:
         """The RL stage from the SFT model: run dir OUT/NAME, its model exported to OUT/NAME-model
@@ -204,8 +205,8 @@ class Demo:
         lines += ["", f"Wall time {sum(self.times.values()) / 60:.1f} min, the sum of the stages{resumed}: {stages}."]
         text = "\n".join(lines)
         (self.out / "report.md").write_text(text + "\n")
-        (self.out / "report.json").write_text(json.dumps({"before": before, "after": after, "times_s": self.times,
-                                                          "rl_levels": self.rl_levels}, indent=2))
+        write_atomic(self.out / "report.json", json.dumps({"before": before, "after": after, "times_s": self.times,
+                                                           "rl_levels": self.rl_levels}, indent=2))
         plot_demo(self.out, self.levels, before, after)
         return text
 

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import shutil
 from pathlib import Path
 
 from common.config import ConfigError, load_config
@@ -37,17 +35,9 @@ def export(run_dir: str | Path, out: str | Path, step: int | None = None) -> Pat
 
     state = read_state(checkpoint)
     model = _policy(base, read_model(checkpoint, PREFIX), checkpoint)  # the policy's tensors only
-    target = out.absolute()
-    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
-    try:
-        save_policy(model, base, tmp)
-        (tmp / MANIFEST).write_text(json.dumps({
-            "run_dir": str(run_dir.resolve()), "checkpoint": checkpoint.name, "step": state.step,
-            "weight_version": state.version, "groups_trained": state.groups_trained, "base_model": base,
-        }, indent=2) + "\n")
-        os.replace(tmp, target)  # rename(2) replaces an empty directory
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    manifest = {"run_dir": str(run_dir.resolve()), "checkpoint": checkpoint.name, "step": state.step,
+                "weight_version": state.version, "groups_trained": state.groups_trained, "base_model": base}
+    save_policy(model, base, out, files={MANIFEST: json.dumps(manifest, indent=2) + "\n"})  # whole or not at all
     log.info("exported step %d (weight version %d) of %s to %s", state.step, state.version, run_dir, out)
     return out
 

@@ -43,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import Config, count_parameters
+from common.gpus import evaluator_gpus
 
 GB = 1e9
 ROW_CHUNK = 4096  # learner/scoring.py's ROW_CHUNK (importing it would import torch; a test keeps them equal)
@@ -295,7 +296,8 @@ def _plan_actors(cfg: Config, m: ModelShape, share: float | None, gpu_bytes: int
 
 def placement(cfg: Config, gpus: int) -> tuple[list[str], float, float]:
     """Who uses which GPU (actor.gpu_by_index's rule: actor i on the i-th of the GPUs the learner's
-    ranks leave, round robin; all on one when there is one), the share of its GPU the learner's
+    ranks leave, round robin; all on one when there is one; the evaluator on those left over, as
+    common/gpus.py places it), the share of its GPU the learner's
     engines leave it, and the most the engines ask of one GPU (above 1: they do not fit)."""
     ranks, actors, tp = cfg.learner.ranks, cfg.actor.num_actors, cfg.actor.tensor_parallel_size
     util = cfg.actor.gpu_memory_utilization
@@ -309,6 +311,10 @@ def placement(cfg: Config, gpus: int) -> tuple[list[str], float, float]:
             g = free[(i * tp + j) % len(free)]
             users[g].append(f"actor {i}")
             load[g] += util
+    evaluator = evaluator_gpus(ranks, actors, tp, [str(g) for g in range(gpus)]) if cfg.learner.eval_every else None
+    for g in evaluator or []:  # `omrl run` starts no evaluator where it has no GPU of its own
+        users[int(g)].append("evaluator")
+        load[int(g)] += util
     learner_share = min((1 - load[r] for r in range(min(ranks, gpus))), default=1.0)
     lines = [f"GPU {g}: {', '.join(u) or 'idle'}" for g, u in users.items()]
     return lines, learner_share, max(load.values())

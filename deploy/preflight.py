@@ -77,6 +77,10 @@ def check_names(cfg: Config, ctx: Context) -> str:
     from envs.tasks import task_split
 
     try:
+        if cfg.actor.agent:
+            from actors.agents import load_agent  # imports the engine's modules: only when it is asked for
+
+            load_agent(cfg.actor)
         make_template(cfg.actor.action_template)
         check_weights(cfg.actor.rewards)
         task_split(cfg.env)
@@ -90,7 +94,9 @@ def check_names(cfg: Config, ctx: Context) -> str:
             raise Failed(f"env.name = {cfg.env.name!r} is not a built-in env",
                          f"choose one of {', '.join(sorted(ENVS))}, register one in a module named in run.plugins, "
                          f"or set env.url to an AgentGym server of yours")
-    return f"env {cfg.env.name!r}, template {cfg.actor.action_template!r}, rewards {', '.join(cfg.actor.rewards)}"
+    played = (f"agent {cfg.actor.agent_name!r}" if cfg.actor.agent_name else
+              f"template {cfg.actor.action_template!r}")
+    return f"env {cfg.env.name!r}, {played}, rewards {', '.join(cfg.actor.rewards)}"
 
 
 def check_model(cfg: Config, ctx: Context) -> str:
@@ -249,9 +255,10 @@ def check_metrics(cfg: Config, ctx: Context) -> str:
 
     sinks = chosen_sinks(cfg.run)
     for name in sinks:
-        if importlib.util.find_spec(SINK_PACKAGES[name]) is None:
-            raise Failed(f"run.metrics names {name!r}, but the {SINK_PACKAGES[name]} package is not installed",
-                         install_hint(name))
+        missing = [module for module in SINK_PACKAGES[name] if importlib.util.find_spec(module) is None]
+        if missing:
+            raise Failed(f"run.metrics names {name!r}, but the {' and '.join(missing)} package"
+                         f"{'s are' if len(missing) > 1 else ' is'} not installed", install_hint(name))
     return "metrics.jsonl" + "".join(f", {name}" for name in sinks)
 
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from common.cli import config_from_args, log_config
 from common.config import Config, SupervisorConfig, dump_toml
+from common.files import write_atomic
 from common.logs import setup_logging
 from common.retry import wait_http
 
@@ -40,9 +41,12 @@ class Process:
     output also goes to this process's stdout (the learner's one line per step)."""
 
     def __init__(self, name: str, args: list[str], log_path: Path, echo: bool = False,
-                 ready: Callable[[Process], None] | None = None, env: dict[str, str] | None = None):
+                 ready: Callable[[Process], None] | None = None, env: dict[str, str] | None = None,
+                 optional: bool = False):
         self.name, self.args, self.log_path, self.echo, self.ready = name, args, log_path, echo, ready
         self.env = env  # the environment it starts with (None: this process's)
+        self.optional = optional  # when it cannot be kept up, the run goes on without it
+        self.given_up = False
         self.proc: subprocess.Popen | None = None
         self.restarts: deque[float] = deque()  # monotonic times of restarts
         self.restart_at: float | None = None
@@ -126,6 +130,8 @@ class Supervisor:
     def check(self) -> int | None:
         now = time.monotonic()
         for p in self.processes:
+            if p.given_up:
+                continue
             if p.restart_at is not None:
                 if now >= p.restart_at:
                     p.restart_at = None
@@ -148,6 +154,11 @@ class Supervisor:
                        f"configuration or installation problem, not retried)" if first_start_failed else
                        f"it used its restart budget ({len(p.restarts)} restarts in {self.cfg.restart_window_s:.0f}s, "
                        f"supervisor.max_restarts = {self.cfg.max_restarts})")
+                if p.optional:
+                    p.given_up = True
+                    log.error("%s %s; the run goes on without it: %s. Last lines of its log (%s):\n%s", p.name,
+                              describe_exit(code), why, p.log_path, p.tail(self.cfg.log_lines))
+                    continue
                 log.error("%s %s; stopping the run: %s. Last lines of its log (%s):\n%s", p.name, describe_exit(code),
                           why, p.log_path, p.tail(self.cfg.log_lines))
                 self.failure = f"{p.name} {describe_exit(code)}, and {why}; its log: {p.log_path}"
@@ -203,6 +214,26 @@ def prepare(cfg: Config) -> Config:
     if not cfg.env.url and cfg.env.port == 0:
         cfg.env.port = free_port(cfg.env.host)
     return cfg
+
+
+def evaluator_environment(cfg: Config) -> dict[str, str] | None:
+    """The environment the evaluator starts with, or None where there is no evaluator: evaluation is
+    off, or on GPUs, the learner's ranks and the actors leave it none (its engine would take
+    actor.gpu_memory_utilization of a GPU that another engine or the learner already holds)."""
+    if not cfg.learner.eval_every:
+        return None
+    from common.gpus import evaluator_devices
+
+    devices = evaluator_devices(cfg)
+    if devices is None:
+        log.warning("no evaluator: the learner's %d rank(s) and %d actor(s) leave no GPU to its engine (one more "
+                    "GPU starts it; learner.eval_every = 0 turns evaluation off)", cfg.learner.ranks,
+                    cfg.actor.num_actors)
+        return None
+    if not devices:
+        return dict(os.environ)
+    log.info("the evaluator's engine uses GPU %s", devices)
+    return {**os.environ, "CUDA_VISIBLE_DEVICES": devices}
 
 
 def learner_launcher(ranks: int) -> list[str]:
@@ -273,14 +304,18 @@ def run(args: argparse.Namespace) -> int:
         processes.append(learner)
         processes += [Process(f"actor{i}", [*py, "actors", *cfg_args, "--index", str(i)], logs / f"actor{i}.log")
                       for i in range(cfg.actor.num_actors)]
-        if cfg.learner.eval_every:  # its own engine: evaluations hold up no actor and no update
-            processes.append(Process("evaluator", [*py, "actors", *cfg_args, "--evaluator"], logs / "evaluator.log"))
+        evaluator_env = evaluator_environment(cfg)
+        if evaluator_env is not None:  # its own engine: evaluations hold up no actor and no update
+            processes.append(Process("evaluator", [*py, "actors", *cfg_args, "--evaluator"], logs / "evaluator.log",
+                                     env=evaluator_env, optional=True))
         for p in processes:
             if p.proc is None:
                 p.start()
-        log.info("started %d actors (logs in %s); the learner prints one line per step; restarts: %s, at most %d "
-                 "per process in %.0fs", cfg.actor.num_actors, logs, cfg.supervisor.restart,
-                 cfg.supervisor.max_restarts, cfg.supervisor.restart_window_s)
+        log.info("started %d actors%s (logs in %s); the learner prints one line per step; restarts: %s, at most %d "
+                 "per process in %.0fs", cfg.actor.num_actors,
+                 f" and the evaluator ({cfg.learner.eval_tasks} held-out tasks every {cfg.learner.eval_every} versions)"
+                 if evaluator_env is not None else "", logs, cfg.supervisor.restart, cfg.supervisor.max_restarts,
+                 cfg.supervisor.restart_window_s)
         supervisor = Supervisor(cfg.supervisor, processes, learner)
         plotted = time.monotonic()  # the plot is drawn in a thread: the checks go on meanwhile
         while not stopping and outcome is None:
@@ -320,7 +355,7 @@ def _report(cfg: Config, run_dir: Path) -> None:
     except Exception as exc:  # noqa: BLE001 - a report must not hide how the run ended
         log.warning("could not read the run's accounting from Redis: %s", exc)
         return
-    (run_dir / "accounting.json").write_text(json.dumps(groups, indent=2) + "\n")
+    write_atomic(run_dir / "accounting.json", json.dumps(groups, indent=2) + "\n")
     log.info("%s", format_accounting(groups))
 
 

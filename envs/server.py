@@ -59,6 +59,12 @@ async def _errors(request: web.Request, handler):
         return await handler(request)
     except RequestError as exc:
         return web.json_response({"error": str(exc)}, status=exc.status, headers=exc.headers)
+    except web.HTTPException as exc:  # aiohttp's own: no route (404), wrong method (405), a body over the limit (413)
+        if exc.status < 400:
+            raise
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+        return web.json_response({"error": f"{request.method} {request.path}: {exc.reason}"}, status=exc.status,
+                                 headers=allow)
 
 
 class _Instance:
@@ -66,6 +72,7 @@ class _Instance:
         self.env = env
         self.lock = asyncio.Lock()  # one call at a time per instance
         self.last_used = time.monotonic()
+        self.playing = False  # an episode under way: reset, and no step has ended it
 
 
 class EnvServer:
@@ -196,6 +203,7 @@ class EnvServer:
         body = await self._body(request)
         env_id, task_idx = self._int(body, "id"), self._int(body, "data_idx")
         observation, fields = await self._call(env_id, "reset", lambda env: (env.reset(task_idx), env.reset_fields()))
+        self._set_playing(env_id, True)
         return web.json_response({"id": env_id, "observation": observation, "reward": 0.0, "done": False, **fields})
 
     async def step(self, request: web.Request) -> web.Response:
@@ -204,6 +212,7 @@ class EnvServer:
         if not isinstance(action, str):
             raise RequestError(400, f"field 'action' must be a string, got {action!r}")
         result = await self._call(env_id, "step", lambda env: env.step(action))
+        self._set_playing(env_id, not result.done)
         self.stats["steps"] += 1
         return web.json_response({"observation": result.observation, "reward": result.reward,
                                   "done": result.done, **result.info})
@@ -218,12 +227,26 @@ class EnvServer:
         env_id = self._query_id(request)
         return web.json_response(await self._call(env_id, "observation", lambda env: env.observation()))
 
-    async def oracle(self, request: web.Request) -> web.Response:
+    def _set_playing(self, env_id: int, playing: bool) -> None:
+        inst = self.instances.get(env_id)  # closed by another request since its call: nothing to mark
+        if inst is not None:
+            inst.playing = playing
+
+    def _playing(self, request: web.Request, what: str) -> int:
+        """The id of an env with an episode under way: an action of the oracle or the random
+        policy means nothing before a reset or after the end (409, as a step then is)."""
         env_id = self._query_id(request)
+        if not self._instance(env_id).playing:
+            raise RequestError(409, f"env {env_id} has no episode under way (reset it first; a finished one has "
+                                    f"no next action): no {what} action")
+        return env_id
+
+    async def oracle(self, request: web.Request) -> web.Response:
+        env_id = self._playing(request, "oracle")
         return web.json_response({"action": await self._call(env_id, "oracle", lambda env: env.oracle_action())})
 
     async def random(self, request: web.Request) -> web.Response:
-        env_id = self._query_id(request)
+        env_id = self._playing(request, "random")
         rng = self._rng
         return web.json_response({"action": await self._call(env_id, "random", lambda env: env.random_action(rng))})
 

@@ -25,7 +25,7 @@ class Batch:
     token_rewards: torch.Tensor  # (N, T) each turn's reward on its last generated token (the critic's rewards)
     stale: torch.Tensor  # (N,) bool: some token of the sample came from weights older than the learner's
     temperature: torch.Tensor  # (N,) the temperature each sample was drawn at
-    rewards: np.ndarray  # (N,)
+    rewards: np.ndarray  # (episodes,) each episode's reward once (an agent's segments are samples of one)
     group_signal: np.ndarray  # (n_groups,) bool
     num_groups: int
     prox_logprobs: torch.Tensor | None = None  # (N, T), filled by the trainer when it needs them
@@ -93,7 +93,7 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
     token_rewards = torch.zeros((N, T), dtype=torch.float32)
     advantages = torch.zeros((N, T), dtype=torch.float32)
     if algorithm in CRITIC_ALGORITHMS:
-        episode_adv, signal = [torch.zeros(len(g.samples)) for g in groups], [True] * len(groups)
+        episode_adv, signal = [torch.zeros(len(g.rewards)) for g in groups], [True] * len(groups)
     else:
         episode_adv, signal = estimate("grpo" if algorithm == "gigpo" else algorithm,
                                        [torch.from_numpy(g.rewards) for g in groups])
@@ -102,7 +102,7 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
         # (a sample whose turn states are unknown has no step advantages: None)
         signal = [sig or any(any(a) for a in steps if a is not None) for sig, steps in zip(signal, step_adv)]
     sample_signal = [sig for g, sig in zip(groups, signal) for _ in g.samples]
-    sample_adv = [float(a) for adv in episode_adv for a in adv]
+    sample_adv = [float(adv[k]) for g, adv in zip(groups, episode_adv) for k in g.episode_positions()]
     sample_steps = [steps for group_steps in step_adv for steps in group_steps]
     for i, (s, sig, adv, steps) in enumerate(zip(samples, sample_signal, sample_adv, sample_steps)):
         n = len(s.tokens)
@@ -127,7 +127,7 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
                                 for g in groups for _ in g.samples], dtype=torch.float32)
     stale = torch.tensor(stale if stale is not None else [False] * N, dtype=torch.bool)
     return Batch(tokens, attention, loss_mask, generated, behav, advantages, token_rewards, stale, temperature,
-                 np.array([s.reward for s in samples], np.float32), np.array(signal), len(groups))
+                 np.concatenate([g.rewards for g in groups]), np.array(signal), len(groups))
 
 
 def turn_spans(loss_mask: np.ndarray) -> list[tuple[int, int]]:

@@ -86,20 +86,32 @@ class SampleKeeper:
         sample order); `staleness` each group's, in optimizer steps; `advantages_known`: False
         where this rank did not compute every sample's advantages (a critic over several ranks),
         and the episodes say null."""
-        rows = [(g, gi, s) for gi, g in enumerate(groups) for s in g.samples]
+        rows, offset = [], 0  # each episode: its group, the group's index, and its segments' (batch row, sample)
+        for gi, g in enumerate(groups):
+            members: dict[int, list] = {}  # by the episode's position; a segment's batch row is its sample's
+            for i, (position, s) in enumerate(zip(g.episode_positions(), g.samples)):
+                members.setdefault(position, []).append((offset + i, s))
+            rows += [(g, gi, segments) for segments in members.values()]
+            offset += len(g.samples)
         kept, run = [], uuid.uuid4().hex[:6]  # ids stay unique when a restarted learner keeps a step again
-        for j, (i, why) in enumerate(choose([s.reward for _g, _gi, s in rows], self.count, self.rng)):
-            group, gi, sample = rows[i]
-            adv = batch.advantages[i, :len(sample.tokens)].float().numpy() if advantages_known else None
+        for j, (i, why) in enumerate(choose([segments[0][1].reward for _g, _gi, segments in rows], self.count,
+                                            self.rng)):
+            group, gi, segments = rows[i]
+            sample = segments[0][1]
+            turns = []  # an agent's episode cut into segments: each segment's turns, in order
+            for r, segment in segments:
+                adv = batch.advantages[r, :len(segment.tokens)].float().numpy() if advantages_known else None
+                turns += turns_of(segment, adv, self._decode, self._pieces)
             kept.append({
                 "id": f"{step}-{j}-{run}", "step": step, "weight_version": version, "why": why,
-                "trained": bool(batch.loss_mask[i].any()), "group_id": group.group_id,
+                "trained": any(bool(batch.loss_mask[r].any()) for r, _s in segments), "group_id": group.group_id,
                 "actor_id": group.actor_id, "task_id": sample.task_id, "env_name": sample.env_name,
                 "reward": float(sample.reward), "success": bool(sample.success),
-                "turn_rewards": [float(r) for r in sample.turn_rewards], "finish_reason": sample.finish_reason,
-                "invalid_actions": int(sample.invalid_actions), "staleness": int(staleness[gi]),
-                "group_rewards": [float(s.reward) for s in group.samples],
-                "turns": turns_of(sample, adv, self._decode, self._pieces),
+                "turn_rewards": [float(t) for _r, s in segments for t in s.turn_rewards],
+                "finish_reason": sample.finish_reason,
+                "invalid_actions": sum(int(s.invalid_actions) for _r, s in segments), "staleness": int(staleness[gi]),
+                "group_rewards": [float(r) for r in group.rewards], "segments": len(segments),
+                "turns": turns,
             })
         lines = "".join(json.dumps(k) + "\n" for k in kept)
         if self.path.exists() and self.path.stat().st_size + len(lines) > self.max_bytes:

@@ -58,6 +58,7 @@ class Learner:
         self.seen = RecentIds(cfg.learner.dedup_window)  # every group trained on, committed or not
         self.uncommitted: list[Delivery] = []  # trained on, not yet in a checkpoint
         self.counts = {"duplicates": 0, "stale": 0}
+        self.evals: list[dict] = []  # evaluations arrived and not yet in a step record
         self.checkpoint_dir = Path(cfg.run.run_dir) / "checkpoints"
         lcfg = cfg.learner
         self.keeper = SampleKeeper(cfg.run.run_dir, cfg.model.path, lcfg.samples_every, lcfg.samples_per_step,
@@ -333,13 +334,16 @@ class Learner:
             peak["perf/peak_cuda_gb"] = torch.cuda.max_memory_allocated() / 2 ** 30
         return peak
 
-    @staticmethod
-    def _evals(bridge: BrokerBridge) -> dict:
-        """The newest evaluation that arrived since the last step, as eval/* metrics."""
-        newest = None
+    def _evals(self, bridge: BrokerBridge) -> dict:
+        """One evaluation a step record, as eval/* metrics: of those arrived and not yet recorded,
+        the one of the lowest version (several evaluators may finish within one step: the others
+        go into the next steps' records)."""
         while bridge.evals:  # the bridge thread appends; pop is atomic
-            newest = bridge.evals.pop(0)
-        return {f"eval/{k}": v for k, v in newest.items()} if newest else {}
+            self.evals.append(bridge.evals.pop(0))
+        if not self.evals:
+            return {}
+        first = min(range(len(self.evals)), key=lambda i: self.evals[i]["version"])
+        return {f"eval/{k}": v for k, v in self.evals.pop(first).items()}
 
     def _keep_samples(self, groups: list[RolloutGroup], batch: Batch, staleness: np.ndarray, metrics: dict) -> list[dict]:
         """The step's kept episodes (learner/samples.py), timed; a failure to keep them costs a
@@ -375,16 +379,18 @@ class Learner:
         kept = self._keep_samples(groups, batch, staleness, metrics) if self.keeper.due(self.state.step) else []
         generated = np.concatenate([s.versions[s.loss_mask.astype(bool)] for g in groups for s in g.samples])
         samples = [s for g in groups for s in g.samples]
+        episodes = [segments for g in groups for segments in g.by_episode()]  # an agent's segments: one episode
         turns = sum(s.num_turns for s in samples)
         record = {
             "step": self.state.step,
             "weight_version": self.state.version,
             "reward/mean": float(batch.rewards.mean()),
             "reward/std": float(batch.rewards.std()),
-            "reward/env": float(np.mean([s.turn_rewards.sum() for s in samples])),
-            "reward/success": float(np.mean([s.success for s in samples])),
+            "reward/env": float(np.mean([sum(s.turn_rewards.sum() for s in e) for e in episodes])),
+            "reward/success": float(np.mean([e[0].success for e in episodes])),
             "actor/invalid_action_frac": sum(s.invalid_actions for s in samples) / max(1, turns),
-            "batch/turns_mean": turns / len(samples),
+            "batch/turns_mean": turns / len(episodes),
+            "batch/segments_per_episode": len(samples) / len(episodes),
             "batch/groups": len(groups),
             "batch/zero_signal_frac": float((~batch.group_signal).mean()),
             "batch/generated_tokens": int(generated.size),

@@ -72,7 +72,7 @@ class Compose:
         self.cmd = [*compose_command(), "-p", self.name, "-f", str(ROOT / "docker-compose.yml"), "-f",
                     str(self.override)]
         self.env = {**os.environ, "OMRL_CONFIG": str(tmp / "run.toml"), "OMRL_REDIS_IMAGE": "omrl-redis:7",
-                    "COMPOSE_PROFILES": "cpu"}
+                    "COMPOSE_PROFILES": "cpu", "OMRL_EVAL_EVERY": "0"}  # the evaluator: tests/e2e/test_omrl_run.py
         self.t0 = time.monotonic()
         self.timeline: list[str] = []
 
@@ -205,6 +205,8 @@ def test_compose_scales_kills_and_accounts(tmp_path):
             time.sleep(2)
         assert run.inspect(learner, "{{.State.ExitCode}}") == "0", run("logs", "--tail=40", "learner")
         run("stop", "actor")  # SIGTERM: in-flight groups come back as cancelled, buffered ones are flushed
+        (evaluator,) = run("ps", "-a", "-q", "evaluator").split()  # evaluation off: it exited 0 and stayed down
+        assert run.inspect(evaluator, "{{.State.Status}} {{.State.ExitCode}} {{.RestartCount}}") == "exited 0 0"
         final = status()
         run.note(f"learner exited 0 at step {step_of(final)}; actors stopped")
     finally:

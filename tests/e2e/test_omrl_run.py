@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from common.config import Config
 from common.metrics import read_jsonl
 from tests.budget import patience
 from tests.e2e.learning import fifths
@@ -40,16 +41,15 @@ def omrl(*args: str, **kw) -> subprocess.Popen:
 
 @pytest.fixture(scope="module")
 def default_run(tmp_path_factory) -> SimpleNamespace:
-    """The default run, plus the evaluator (16 held-out tasks every 40 versions), SIGKILLed once
-    after its first evaluation, with weights going by broadcast (one gloo group of the learner, both actors and
-    the evaluator, staged by each), its plot redrawn every 10 s while it runs (the default is
-    300). Shared by this module's tests."""
+    """The default run, its evaluator (on by default: learner.eval_tasks held-out tasks every
+    learner.eval_every versions) SIGKILLed once after its first evaluation, with weights going by
+    broadcast (one gloo group of the learner, both actors and the evaluator, staged by each), its
+    plot redrawn every 10 s while it runs (the default is 300). Shared by this module's tests."""
     tmp_path = tmp_path_factory.mktemp("default-run")
     run_dir = tmp_path / "run"
     started = time.monotonic()
     with open(tmp_path / "out.log", "w+") as log:
         proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir),
-                                 "--set", "learner.eval_every=40", "--set", "learner.eval_tasks=16",
                                  "--set", 'weights.transport="broadcast"', "--set", "run.plot_every_s=10"],
                                 stdout=log, stderr=subprocess.STDOUT, text=True)
         live_plots = set()  # the modification times of metrics.png seen while the run went on
@@ -140,10 +140,10 @@ def test_default_run_learns_and_actors_apply_new_weights(default_run):
     assert len(evals) >= 2 and versions[0] == 0 < versions[1] and versions == sorted(versions), versions
     assert all(r["eval/last_version"] == r["eval/version"] for r in evals)
     assert default_run.evaluator_killed_at is not None and "evaluator was killed by SIGKILL; restart 1" in out
-    assert all(r["eval/episodes"] == 16 and 0 <= r["eval/success"] <= 1 for r in evals)
+    assert all(r["eval/episodes"] == Config().learner.eval_tasks and 0 <= r["eval/success"] <= 1 for r in evals)
     assert evals[-1]["eval/reward"] > evals[0]["eval/reward"]  # greedy on held-out tasks, it learned too
     evaluator_log = (run_dir / "logs" / "evaluator.log").read_text()
-    assert evaluator_log.count("held-out tasks every 40 versions") == 2  # started twice
+    assert evaluator_log.count(f"held-out tasks every {Config().learner.eval_every} versions") == 2  # started twice
     assert not any("evaluation at version" in log.read_text() for log in (run_dir / "logs").glob("actor*.log"))
     assert all(r["actor/invalid_action_frac"] == 0 for r in rows)  # the raw template parses everything
     # The default trust region (4 minibatch updates a batch, issue 26): the clip acts.

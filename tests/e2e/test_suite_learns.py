@@ -11,7 +11,12 @@ same reward, so GRPO has no signal to correct it): three runs' last fifths had s
 32 steps x 64 episodes a blind policy's mean has a standard error of about 0.011, so its
 best window stays near 0.37 + 3 x 0.011. The reward's gain is judged by a permutation test
 that picks the best window in every random order as well (tests/e2e/learning.py), not by one
-window's standard error, which the choice of the best of ~130 windows makes meaningless."""
+window's standard error, which the choice of the best of ~130 windows makes meaningless.
+
+The run uses PPO (a value head, GAE on fresh samples, V-trace on stale ones): the suite's one
+run where a critic must learn. GRPO, the default, learns in the default run and the agent's
+run, and learns `grid_nav` in `omrl bench staleness` (5 seeds an arm, 95% intervals), so a
+second ten-minute GRPO run of it here would show nothing those do not."""
 
 import subprocess
 import sys
@@ -29,14 +34,12 @@ BLIND_SUCCESS = 0.37  # the best observation-blind sequence of 8 moves, over tas
 
 
 @pytest.mark.timeout(patience(270))
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
-def test_grid_nav_is_learned_from_its_observations(tmp_path, algorithm):
-    """grpo: the default; ppo: a critic (value head, GAE on fresh samples, V-trace on stale)."""
+def test_grid_nav_is_learned_from_its_observations_with_a_critic(tmp_path):
     run_dir = tmp_path / "run"
     started = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir),
                            "--set", "env.name=grid_nav", "--set", "actor.max_tokens=1", "--set", "actor.max_turns=8",
-                           "--set", f"learner.algorithm={algorithm}"],
+                           "--set", "learner.algorithm=ppo", "--set", "learner.eval_every=0"],
                           capture_output=True, text=True, timeout=patience(260))
     print(done.stdout[-3000:])
     print(f"omrl run took {time.monotonic() - started:.0f}s")
@@ -44,8 +47,8 @@ def test_grid_nav_is_learned_from_its_observations(tmp_path, algorithm):
     rows = read_jsonl(run_dir / "metrics.jsonl")
     reward, success = fifths(rows, "reward/mean", best=True), fifths(rows, "reward/success", best=True)
     print(f"reward {reward}\nsuccess {success}")
-    if algorithm == "ppo":  # the critic trained: its loss is reported every step
-        assert all(r["learner/loss/value"] >= 0 for r in rows) and any(r["learner/loss/value"] > 0 for r in rows)
+    # The critic trained: its loss is reported every step.
+    assert all(r["learner/loss/value"] >= 0 for r in rows) and any(r["learner/loss/value"] > 0 for r in rows)
     # p: the best window chosen in random orders of the same steps too (the choice is after the fact)
     assert reward.p < 0.001 and reward.gain >= 0.3, [r["reward/mean"] for r in rows]
     assert success.last > BLIND_SUCCESS + 0.1, [r["reward/success"] for r in rows]

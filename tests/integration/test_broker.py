@@ -187,7 +187,7 @@ def test_dead_letter_stream_is_capped_and_its_counts_kept_whole(redis_server_url
 
 
 def test_status_shows_the_evaluator_and_the_newest_evaluation(redis_server_url, run_name):
-    from broker.evals import publish_eval
+    from broker.evals import finish_eval
     from broker.membership import Membership
     from broker.status import format_status
 
@@ -198,9 +198,10 @@ def test_status_shows_the_evaluator_and_the_newest_evaluation(redis_server_url, 
             await members.heartbeat("h-evaluator", role="evaluator", version=40, evaluations=2)
             await members.heartbeat("h-0", role="actor", index=0, version=41, groups=9)
             for version, success in ((0, 0.25), (40, 0.75)):
-                await publish_eval(s.client, s.keys, {"version": version, "last_version": version, "episodes": 16,
-                                                      "success": success, "success_ci": [success - 0.2, success + 0.1],
-                                                      "reward": success, "reward_ci": [success - 0.1, success + 0.1]})
+                await finish_eval(s.client, s.keys, version // 40, "h-evaluator", {
+                    "version": version, "last_version": version, "episodes": 16, "success": success,
+                    "success_ci": [success - 0.2, success + 0.1], "reward": success,
+                    "reward_ci": [success - 0.1, success + 0.1]})
             status = await run_status(s.client, s.keys, dead_after_s=10)
             assert status["evaluation"]["version"] == 40
             text = format_status(status)

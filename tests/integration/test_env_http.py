@@ -220,13 +220,24 @@ def test_past_the_cap_create_answers_503_with_retry_after():
 
 
 def test_oracle_and_random_actions_over_http():
+    """Given while an episode is under way; before its reset and after its end they are refused
+    (409), the instance kept (the fuzz test found the oracle crashing there, which freed it)."""
     async def scenario(client, session, port, server):
         env_id = await client.create()
+        with pytest.raises(EnvError, match="409.*no episode under way"):
+            await client.oracle_action(env_id)
         obs = (await client.reset(env_id, 7)).observation
         assert await client.oracle_action(env_id) == obs[-1]
         assert await client.random_action(env_id) in "ab"
         result = await client.step(env_id, await client.oracle_action(env_id))
         assert result.reward == pytest.approx(0.5) and "success" in result.info
+        assert (await client.step(env_id, await client.oracle_action(env_id))).done
+        for action in (client.oracle_action, client.random_action):
+            with pytest.raises(EnvError, match="409.*no episode under way"):
+                await action(env_id)
+        assert env_id in server.instances and server.stats["failed"] == 0
+        await client.reset(env_id, 8)  # the next episode of the same instance
+        assert await client.oracle_action(env_id)
     with_server(scenario)
 
 

@@ -85,7 +85,7 @@ def test_a_package_of_our_own_trains_end_to_end(tmp_path):
          "--set", 'run.plugins=["my_omrl_ext"]', "--set", 'env.name="echo"', "--set", f"env.tasks={json.dumps(str(tmp_path / 'tasks'))}",
          "--set", 'actor.action_template="first_char"', "--set", "actor.rewards={env = 1.0, answer_seen = 1.0}",
          "--set", "actor.num_actors=1", "--set", "learner.groups_per_step=4", "--set", "actor.group_size=2",
-         "--set", "actor.concurrent_groups=2"],
+         "--set", "actor.concurrent_groups=2", "--set", "learner.eval_every=0"],
         capture_output=True, text=True, timeout=patience(60), env=environ)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     rows = read_jsonl(run_dir / "metrics.jsonl")

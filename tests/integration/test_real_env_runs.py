@@ -35,7 +35,8 @@ def test_three_steps_of_valid_groups(env, package, tmp_path):
         [sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir), "--steps", "3",
          "--set", f"env.name={env}", "--set", "actor.num_actors=1", "--set", "actor.max_seq_len=2048",
          "--set", "actor.max_tokens=16", "--set", "actor.max_turns=3", "--set", "learner.groups_per_step=4",
-         "--set", "actor.group_size=2", "--set", "actor.concurrent_groups=2"],  # 4 envs open: 4 JVMs for sciworld
+         "--set", "actor.group_size=2", "--set", "actor.concurrent_groups=2",  # 4 envs open: 4 JVMs for sciworld
+         "--set", "learner.eval_every=0"],  # the evaluator: tests/e2e/test_omrl_run.py
         capture_output=True, text=True, timeout=patience(95))
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
     rows = read_jsonl(run_dir / "metrics.jsonl")

@@ -1,7 +1,7 @@
 """The supervisor's restart policy on real processes: backoff that doubles, a budget per
 process within a window, start failures not retried, the learner's exit code 0 ending the
-run, the last lines of a process's log in every restart message, and nothing left behind
-in a dead process's group."""
+run, an optional process (the evaluator) given up on while the run goes on, the last lines of
+a process's log in every restart message, and nothing left behind in a dead process's group."""
 
 import logging
 import os
@@ -73,6 +73,29 @@ def test_a_start_failure_or_restart_never_stops_the_run_at_once(tmp_path, caplog
     supervisor = Supervisor(SupervisorConfig(restart="never", start_s=0), [once], learner=None)
     once.start()
     assert run_until(supervisor) == 1 and once.starts == 1
+
+
+def test_an_optional_process_that_cannot_be_kept_up_is_given_up_and_the_run_goes_on(tmp_path, caplog):
+    evaluator = python(tmp_path, "evaluator", "import sys; print('CUDA out of memory', flush=True); sys.exit(1)")
+    evaluator.optional = True
+    steady = python(tmp_path, "learner", "import time; time.sleep(60)")
+    cfg = SupervisorConfig(max_restarts=2, backoff_s=0.05, start_s=0)
+    supervisor = Supervisor(cfg, [evaluator, steady], learner=steady)
+    for p in (evaluator, steady):
+        p.start()
+    try:
+        with caplog.at_level(logging.ERROR):
+            assert run_until(supervisor, timeout=3) is None  # the run goes on
+        assert evaluator.given_up and evaluator.starts == 3 and supervisor.failure is None
+        assert "evaluator exited with code 1; the run goes on without it: it used its restart budget" in caplog.text
+        assert "CUDA out of memory" in caplog.text and steady.returncode is None
+        first = python(tmp_path, "evaluator", "raise SystemExit('error: no held-out tasks')")  # its first start
+        first.optional = True
+        supervisor = Supervisor(SupervisorConfig(start_s=30), [first, steady], learner=steady)
+        first.start()
+        assert run_until(supervisor, timeout=2) is None and first.given_up and first.starts == 1
+    finally:
+        steady.stop(timeout=5)
 
 
 def test_the_learners_exit_code_zero_ends_the_run_any_other_restarts_it(tmp_path):

@@ -247,3 +247,60 @@ def test_a_stop_string_of_several_tokens_ends_the_turn_with_its_tokens_as_sample
         assert cont.token_ids == [free[first + 2]] and cont.finish_reason == "stop"
     finally:
         engine.set_stop(cfg.actor.stop)
+
+
+def test_an_agent_through_the_openai_endpoint_is_trained_on_exactly_what_vllm_sampled(engine, cfg, loop, tmp_path):
+    """Two chat turns of the official `openai` client through the gateway (actors/gateway.py) on
+    this engine, then a third that drops the history (a new segment, as a template that rewrites
+    history or an agent that edits its memory makes one): every segment the session captured
+    holds the sampled tokens with the engine's
+    log-probs, which the learner's model gives back (within 2e-3 per token, below 1e-3 on
+    average, in fp32). The actor's stop strings ("\n") do not apply: the request has none."""
+    openai = pytest.importorskip("openai")
+    from aiohttp import web
+
+    from actors.episode import ModelPolicy
+    from actors.gateway import Gateway
+
+    model = load_causal_lm(cfg.model.path)  # the engine's weights: other tests of this module load others
+    Trainer(model, cfg.learner).save_weights(tmp_path / "w.safetensors")
+    loop.run_until_complete(engine.load_weights(str(tmp_path / "w.safetensors")))
+    gateway = Gateway(engine, ModelPolicy(engine, WeightGate(0)), cfg.actor.max_seq_len, "tiny")
+    session = gateway.open("agent")
+
+    async def agent():
+        runner = web.AppRunner(gateway.app())
+        await runner.setup()
+        port = free_port()
+        await web.TCPSite(runner, "127.0.0.1", port).start()
+        try:
+            llm = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/sessions/agent/v1", api_key="-", max_retries=0)
+            messages = [{"role": "user", "content": "Say a"}]
+            replies = []
+            for ask in ("Say b", "forget", None):
+                reply = await llm.chat.completions.create(model="tiny", messages=messages, max_tokens=8, logprobs=True)
+                replies.append(reply)
+                if ask == "forget":
+                    messages = [{"role": "user", "content": "Say c"}]
+                elif ask:
+                    messages += [{"role": "assistant", "content": reply.choices[0].message.content},
+                                 {"role": "user", "content": ask}]
+            return replies
+        finally:
+            await runner.cleanup()
+
+    replies = loop.run_until_complete(agent())
+    assert session.calls == 3 == 1 + session.extended + session.splits and session.splits >= 1
+    assert len(session.segments) == 1 + session.splits >= 2
+    sampled = 0
+    for segment in session.segments:
+        mask = np.asarray(segment.loss_mask, bool)
+        ref = hf_logprobs(model, segment.tokens).numpy()[mask]
+        behaviour = np.asarray(segment.logprobs, np.float32)[mask]
+        assert np.max(np.abs(behaviour - ref)) < 2e-3 and abs(float(np.mean(behaviour - ref))) < 1e-3
+        assert set(np.asarray(segment.versions)[mask]) == {0}
+        sampled += int(mask.sum())
+    assert sampled == sum(r.usage.completion_tokens for r in replies)
+    assert [t.logprob for t in replies[-1].choices[0].logprobs.content] == pytest.approx(
+        list(np.asarray(session.segments[-1].logprobs)[np.asarray(session.segments[-1].loss_mask, bool)][-len(
+            replies[-1].choices[0].logprobs.content):]), abs=1e-6)

@@ -14,6 +14,9 @@ def test_precedence_file_then_env_then_set(tmp_path):
     cfg = load_config(path, ["learner.steps=7"], environ={"OMRL_LEARNER__LR": "0.01", "OMRL_LEARNER__STEPS": "6"})
     assert cfg.learner.lr == 0.01
     assert cfg.learner.steps == 7
+    # An empty variable sets nothing: compose passes OMRL_EVAL_EVERY unset as OMRL_LEARNER__EVAL_EVERY="".
+    cfg = load_config(path, environ={"OMRL_LEARNER__EVAL_EVERY": "", "OMRL_LEARNER__STEPS": ""})
+    assert cfg.learner.eval_every == 20 and cfg.learner.steps == 5
 
 
 def test_set_parses_toml_literals_and_plain_strings():

@@ -120,3 +120,32 @@ def test_drgrpo_divides_the_token_sum_by_a_constant(tiny_model):
     assert one["learner/loss/policy"] == pytest.approx(mean["learner/loss/policy"] * tokens / (samples * 10), rel=1e-5)
     cfg = Config.model_validate({"learner": {"algorithm": "drgrpo"}, "actor": {"max_tokens": 7, "max_turns": 3}})
     assert cfg.learner.token_sum_norm == 21
+
+
+def test_an_agents_segments_share_their_episodes_advantage_and_travel_with_its_index():
+    """Issue 29: an episode cut into segments (an agent whose prompt stopped extending its tokens)
+    is one episode to GRPO: its reward counts once, every segment gets the episode's advantage,
+    each segment carries the episode's reward to the critic; the codec keeps the index and
+    refuses segments of one episode with different rewards."""
+    rng = np.random.default_rng(4)
+    group = multi_turn_group(rng, [([1.0], ["a"]), ([0.0], ["a"]), ([0.0, 0.0], ["a", "b"]), ([0.0], ["b"])])
+    for sample, episode in zip(group.samples, [0, 1, 1, 2]):
+        sample.episode = episode
+        sample.reward = [1.0, 0.0, 0.0, 0.0][episode] if episode != 2 else 0.5
+    group = decode_group(encode_group(group))
+    assert [s.episode for s in group.samples] == [0, 1, 1, 2] and group.episodes() == [0, 1, 1, 2]
+    np.testing.assert_array_equal(group.rewards, [1.0, 0.0, 0.5])  # the split episode's reward once
+    batch = collate([group], "grpo")
+    rewards = torch.tensor([1.0, 0.0, 0.5])
+    expected = ((rewards - rewards.mean()) / (rewards.std() + 1e-6))[[0, 1, 1, 2]]
+    for i, sample in enumerate(group.samples):
+        (a, b), *_ = turn_spans(sample.loss_mask)
+        np.testing.assert_allclose(batch.advantages[i, a:b].numpy(), float(expected[i]), rtol=1e-5)
+    np.testing.assert_array_equal(batch.rewards, [1.0, 0.0, 0.5])
+    ppo = collate([group], "ppo")  # each segment ends on its episode's reward: a return of R, gamma 1
+    assert [float(ppo.token_rewards[i].sum()) for i in range(4)] == [1.0, 0.0, 0.0, 0.5]
+    group.samples[2].reward = 1.0
+    with pytest.raises(Exception, match=r"samples\[2\].reward: 1.0, but an earlier segment of episode 1 has 0.0"):
+        decode_group(encode_group(group))
+    loose = multi_turn_group(rng, EPISODES[:2])  # the episode loop's samples: an episode each
+    assert loose.episodes() == [-1, -2] and len(loose.rewards) == 2

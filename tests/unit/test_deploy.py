@@ -34,6 +34,8 @@ def test_docker_compose_config_accepts_the_file(profile):
     if cmd is None:
         pytest.skip("no docker compose here (bash deploy/docker/engine.sh installs it as root)")
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "COMPOSE_PROFILES": profile, "OMRL_EXTRA": profile}
+    if profile == "gpu":
+        env.update(COMPOSE_PROFILES="gpu,gpu-eval")
     proc = subprocess.run([*cmd, "config"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr
     services = yaml.safe_load(proc.stdout)["services"]
@@ -44,6 +46,13 @@ def test_docker_compose_config_accepts_the_file(profile):
     if profile == "gpu":
         reservation = actor["deploy"]["resources"]["reservations"]["devices"][0]
         assert reservation["capabilities"] == ["gpu"] and actor["environment"]["OMRL_ACTOR__GPU_BY_INDEX"] == "true"
+    evaluator = services["evaluator" if profile == "cpu" else "evaluator-gpu"]  # on by default
+    assert evaluator["command"][-1] == "--evaluator" and evaluator["restart"] == "on-failure"
+    assert evaluator["environment"]["OMRL_LEARNER__EVAL_EVERY"] == ""  # the config's, unless OMRL_EVAL_EVERY
+    if profile == "gpu":  # it picks GPUs the learner and the actors leave, by the rule omrl run places it by
+        assert evaluator["environment"]["OMRL_ACTOR__GPU_BY_INDEX"] == "true"
+        assert evaluator["deploy"]["resources"]["reservations"]["devices"][0]["count"] == "all"
+        assert services["evaluator"]["profiles"] == ["cpu"]  # the CPU one stays out of the GPU profile
     assert "--appendonly" in services["redis"]["command"]
 
 
@@ -81,5 +90,9 @@ def test_kubernetes_manifests_fit_together():
                 assert "--index" not in container["args"]
                 mounts = {m["name"] for m in container.get("volumeMounts", [])}
                 assert mounts <= {v["name"] for v in pod.get("volumes", [])}, container["name"]
-        if d["metadata"]["labels"].get("app.kubernetes.io/component") in ("actor", "learner"):
+        if d["metadata"]["labels"].get("app.kubernetes.io/component") in ("actor", "learner", "evaluator"):
             assert any(m["mountPath"] == "/dev/shm" for c in pod["containers"] for m in c.get("volumeMounts", []))
+
+    (evaluator,) = [d for d in docs if d["metadata"]["labels"].get("app.kubernetes.io/component") == "evaluator"]
+    assert evaluator["kind"] == "Deployment"  # on by default, as in omrl run and compose
+    assert evaluator["spec"]["template"]["spec"]["containers"][0]["args"][-1] == "--evaluator"

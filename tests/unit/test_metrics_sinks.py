@@ -1,5 +1,5 @@
 """The metrics sinks (common/metrics.py): what the learner writes reaches metrics.jsonl, the
-TensorBoard event files and an offline W&B run, each read back with its own reader; a sink
+TensorBoard event files, an offline W&B run and an MLflow run, each read back with its own reader; a sink
 that fails is dropped while the JSONL goes on; a sink whose package is missing fails before
 the run starts, naming run.metrics; `omrl plot` draws a run's plot at any time."""
 
@@ -11,6 +11,7 @@ import math
 import struct
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -81,6 +82,9 @@ def test_every_sink_gets_the_records_numbers_and_the_jsonl_everything(tmp_path):
         if record["step"] == 2:
             sinks.text(2, {"samples/best": "**best** · reward 1.000", "samples/worst": "*model*: turn left"})
     sinks.close()
+    import wandb
+
+    wandb.teardown()  # run.finish() can return before W&B's service has written the file; exit waits for it
 
     assert read_jsonl(tmp_path / "metrics.jsonl")[1]["batch/group_ids"] == ["g2"]  # lists stay in the JSONL
     assert tensorboard_text(tmp_path / "tensorboard", "samples/worst") == [(2, "*model*: turn left")]
@@ -103,9 +107,58 @@ def test_every_sink_gets_the_records_numbers_and_the_jsonl_everything(tmp_path):
     again = Sinks(tmp_path, config("wandb"))
     again.write({"step": 4, "reward/mean": 2.0})
     again.close()
+    wandb.teardown()
     runs = sorted((tmp_path / "wandb").glob("offline-run-*"))  # offline-run-TIME-ID (-1 within a second)
     assert len(runs) == 2 and all(f"-{run_id}" in p.name for p in runs), runs
     assert any(row.get("step") == 4 and row.get("reward/mean") == 2.0 for row in wandb_history(tmp_path, runs[-1]))
+
+
+def test_mlflow_gets_the_numbers_the_config_and_the_samples_and_a_restart_logs_to_the_same_run(tmp_path):
+    pytest.importorskip("mlflow", reason="the metrics extra (pip install 'openmanus-rl[metrics]')")
+    from mlflow.tracking import MlflowClient
+
+    sinks = Sinks(tmp_path, config("mlflow"))
+    for record in records():
+        sinks.write(record)
+    sinks.text(2, {"samples/best": "**best** · reward 1.000"})
+    sinks.close()
+
+    client = MlflowClient(f"sqlite:///{tmp_path / 'mlflow.db'}")
+    run_id = (tmp_path / "mlflow-run-id").read_text().strip()
+    run = client.get_run(run_id)
+    assert run.info.run_name == tmp_path.name and run.info.status == "FINISHED"
+    assert run.data.params["learner.lr"] == json.dumps(Config().learner.lr)  # the config, flattened
+    assert set(run.data.metrics) == {"reward/mean", "learner/grad_norm", "learner/skipped"}  # no NaN, no lists
+    history = client.get_metric_history(run_id, "reward/mean")
+    assert sorted((m.step, m.value, m.timestamp) for m in history) == [
+        (s, 0.25 * s, int((1.7e9 + s) * 1000)) for s in range(1, 5)]
+    artifacts = tmp_path / "mlartifacts" / run_id / "artifacts"  # the local store keeps its files in the run dir
+    assert (artifacts / "samples" / "step-000002" / "best.txt").read_text() == "**best** · reward 1.000"
+    assert json.loads((artifacts / "config.json").read_text())["learner"]["lr"] == Config().learner.lr
+
+    again = Sinks(tmp_path, config("mlflow"))  # a restarted learner, its step 4 trained again
+    again.write({"step": 4, "time": 1.8e9, "reward/mean": 2.0})
+    again.close()
+    assert (tmp_path / "mlflow-run-id").read_text().strip() == run_id
+    assert len(client.search_runs([run.info.experiment_id])) == 1
+    assert sorted((m.step, m.value) for m in client.get_metric_history(run_id, "reward/mean"))[-2:] == [
+        (4, 1.0), (4, 2.0)]
+    Sinks(tmp_path, config("mlflow"), fresh=True).close()  # starting over: a new run in the same store
+    assert (tmp_path / "mlflow-run-id").read_text().strip() != run_id
+
+    # A kept id the store does not know (the store emptied, run.mlflow_uri changed): a new run, not a
+    # failed start; a record with no time (omrl sft's) stamped now; a table of the config as one value.
+    (tmp_path / "mlflow-run-id").write_text("0123456789abcdef\n")
+    cfg = Config.model_validate({"run": {"metrics": ["mlflow"]}, "env": {"options": {"odd key!": 1}}})
+    started = time.time()
+    again = Sinks(tmp_path, cfg)
+    again.write({"step": 1, "sft/loss": 0.5})
+    again.close()
+    new_id = (tmp_path / "mlflow-run-id").read_text().strip()
+    assert new_id != "0123456789abcdef"
+    (loss,) = client.get_metric_history(new_id, "sft/loss")
+    assert started * 1000 - 1000 <= loss.timestamp <= time.time() * 1000
+    assert json.loads(client.get_run(new_id).data.params["env.options"]) == {"odd key!": 1}
 
 
 def test_a_failing_sink_is_dropped_and_the_jsonl_goes_on(tmp_path, caplog, monkeypatch):
@@ -164,11 +217,16 @@ def test_an_unknown_sink_fails_the_config_and_a_missing_package_fails_the_start(
     import common.metrics
     from deploy.preflight import Failed, check_metrics
 
-    monkeypatch.setitem(common.metrics.SINK_PACKAGES, "wandb", "omrl_no_such_package")
+    monkeypatch.setitem(common.metrics.SINK_PACKAGES, "wandb", ("omrl_no_such_package",))
     with pytest.raises(Failed) as failed:
         check_metrics(Config.model_validate({"run": {"metrics": ["wandb"]}}), None)
     assert "run.metrics names 'wandb'" in str(failed.value) and "take 'wandb' out of run.metrics" in failed.value.fix
     assert check_metrics(Config(), None) == "metrics.jsonl, tensorboard"  # the default
+    monkeypatch.setitem(common.metrics.SINK_PACKAGES, "mlflow", ("mlflow", "omrl_no_such_package"))
+    with pytest.raises(Failed) as failed:
+        check_metrics(Config.model_validate({"run": {"metrics": ["mlflow"]}}), None)
+    assert "the omrl_no_such_package package is not installed" in str(failed.value)
+    assert failed.value.fix.startswith("pip install mlflow-skinny sqlalchemy alembic")
 
 
 def test_read_jsonl_leaves_out_a_line_still_being_written(tmp_path):

@@ -101,7 +101,9 @@ def test_the_eight_gpu_example_fits_with_fsdp2_and_a_reference_not_with_ddp(tmp_
     p = plan(example(tmp_path, "chat-model-8gpu", QWEN_7B), gpus=8)
     assert p.fits and p.learner.status == "fits"
     assert p.placement[:4] == [f"GPU {g}: learner rank {g}" for g in range(4)]
-    assert p.placement[4:] == [f"GPU {4 + i}: actor {i}" for i in range(4)]
+    assert p.placement[4:] == [f"GPU {4 + i}: actor {i}" for i in range(4)]  # no GPU left: no evaluator
+    three = plan(example(tmp_path / "three", "chat-model-8gpu", QWEN_7B, "actor.num_actors=3"), gpus=8)
+    assert three.placement[4:] == [*(f"GPU {4 + i}: actor {i}" for i in range(3)), "GPU 7: evaluator"]
     state = sum(p.learner.lines[k] for k in ("weights (fp32)", "gradients (fp32)", "AdamW moments (fp32)"))
     assert state / GB == pytest.approx(30.5, abs=0.1)
     assert p.actors.lines["weights"] / GB == pytest.approx(15.2, abs=0.05)

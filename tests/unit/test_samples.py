@@ -81,3 +81,19 @@ def test_the_file_is_rotated_and_bounded(tmp_path, tiny_model):
     assert (tmp_path / "samples.1.jsonl").exists()
     kept_steps = [r["step"] for r in read_samples(tmp_path)]
     assert kept_steps == sorted(kept_steps) and kept_steps[-1] == 29 and kept_steps[0] > 1  # oldest dropped
+
+
+def test_an_agents_episode_cut_into_segments_is_kept_whole(tmp_path, tiny_model):
+    """Issue 29: the learner keeps episodes, not samples: a split episode's segments, in order,
+    its reward once, the group's rewards per episode."""
+    rng = np.random.default_rng(1)
+    group = multi_turn_group(rng, [([1.0], ["a"]), ([0.0], ["a"]), ([0.0], ["b"])], version=5)
+    for sample, episode, reward in zip(group.samples, [0, 1, 1], [1.0, 0.0, 0.0]):
+        sample.episode, sample.reward = episode, reward
+    batch = collate([group])
+    kept = SampleKeeper(tmp_path, tiny_model, every=1, count=4, max_mb=1.0, seed=0).keep(1, 1, [group], batch, [0])
+    assert [(k["why"], k["reward"], k["segments"]) for k in kept] == [("best", 1.0, 1), ("worst", 0.0, 2)]
+    split = kept[1]
+    assert split["group_rewards"] == [1.0, 0.0] and split["turn_rewards"] == [0.0, 0.0]
+    roles = [t["role"] for t in split["turns"]]
+    assert roles.count("prompt") == 2 and roles.count("model") == 2  # each segment starts with its own prompt

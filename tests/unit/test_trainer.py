@@ -90,7 +90,7 @@ def stale_groups(tiny_model, shift: float = 0.5):
     groups = varied_groups()
     trainer = Trainer(load_causal_lm(tiny_model), LearnerConfig(minibatches=1))
     batch = collate(groups)
-    trainer._before_update(batch, [list(range(len(batch.rewards)))], policy=True)
+    trainer._before_update(batch, [list(range(len(batch.tokens)))], policy=True)
     samples = [s for g in groups for s in g.samples]
     for i, s in enumerate(samples):
         own = batch.prox_logprobs[i, :len(s.tokens)].numpy()
