@@ -28,6 +28,7 @@ timeout 240 python3 -m pytest -n 0 -p no:cacheprovider -q --timeout 200 \
   tests/integration/test_gpu.py tests/unit/test_trainer.py tests/unit/test_algorithms.py \
   tests/unit/test_critic.py tests/unit/test_checkpoint.py tests/unit/test_collectives.py \
   tests/unit/test_pack.py tests/unit/test_messages.py tests/integration/test_env_workers.py \
+  tests/unit/test_samples.py tests/unit/test_learner_evals.py tests/unit/test_actor_identity.py tests/unit/test_files.py \
   > "$out/tests.log" 2>&1
 echo "tests: exit $? after $((SECONDS - start)) s: $(tail -1 "$out/tests.log")"
 
