@@ -12,7 +12,7 @@ import tomllib
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 ENV_PREFIX = "OMRL_"
 
@@ -54,8 +54,18 @@ class RedisConfig(Section):
     """Consumers idle this long with nothing pending are removed from the group."""
     dead_after_s: float = Field(15.0, gt=0)
     """A member whose last heartbeat is older than this is reported dead."""
-    embedded_aof: bool = False
-    """`omrl run`'s embedded server: append-only file with fsync always (no loss on restart)."""
+    embedded_aof: Literal["everysec", "always", "off"] = "everysec"
+    """`omrl run`'s embedded server keeps what it holds in an append-only file in RUN_DIR/redis and
+    reads it back when it is restarted. everysec: every write reaches the file before its reply and
+    is fsynced within a second; a killed redis-server loses nothing, a crash of the machine the last
+    second or two. always: fsync before every reply (nothing lost even then; every write waits for
+    the disk). off: nothing on disk; a restart loses every group it held. true/false mean
+    always/off. Weight versions go to RUN_DIR/weights, not into Redis (weights.dir)."""
+
+    @field_validator("embedded_aof", mode="before")
+    @classmethod
+    def _aof_from_bool(cls, value: Any) -> Any:
+        return {True: "always", False: "off"}.get(value, value) if isinstance(value, bool) else value
     ticket_ttl_s: float = Field(60.0, gt=0)
     """An admission ticket whose actor sent no heartbeat for this long comes back (actor presumed dead)."""
     dead_letter_max: int = Field(10_000, ge=1)
@@ -409,7 +419,8 @@ class WeightsConfig(Section):
     bytes in Redis."""
     dir: str | None = None
     """blob transport: a directory every learner and actor process sees (a shared volume); the bytes go
-    there instead of into Redis. It holds one run's weights: older version files in it are deleted."""
+    there instead of into Redis. It holds one run's weights: older version files in it are deleted.
+    Unset where `omrl run` starts its own Redis: RUN_DIR/weights (everything runs on one host)."""
     chunk_mb: int = Field(64, ge=1)
     """blob transport in Redis: the largest value written (the server's proto-max-bulk-len caps it too)."""
     host: str | None = None

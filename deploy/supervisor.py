@@ -199,7 +199,7 @@ def _wait_redis(port: int) -> Callable[[Process], None]:
 
 
 def prepare(cfg: Config) -> Config:
-    """Fill in what the embedded default provides: the tiny model, the env port."""
+    """Fill in what the embedded default provides: the tiny model, the env port, the weights' directory."""
     from broker.embedded import free_port
 
     run_dir = Path(cfg.run.run_dir)
@@ -213,6 +213,9 @@ def prepare(cfg: Config) -> Config:
         cfg.model.path = str(model_dir.resolve())
     if not cfg.env.url and cfg.env.port == 0:
         cfg.env.port = free_port(cfg.env.host)
+    if not cfg.redis.url and cfg.weights.transport == "blob" and not cfg.weights.dir:
+        # Every process is on this host: versions go to files, not through Redis and its append-only file.
+        cfg.weights.dir = str((run_dir / "weights").resolve())
     return cfg
 
 
@@ -274,17 +277,17 @@ def run(args: argparse.Namespace) -> int:
         if not cfg.redis.url:
             from broker.embedded import EmbeddedRedis, free_port
 
-            aof = ["--appendfsync", "always"] if cfg.redis.embedded_aof else []
-            server = EmbeddedRedis(port=free_port(), appendonly=cfg.redis.embedded_aof,
-                                   data_dir=str((run_dir / "redis").resolve()), extra_args=aof)
+            durable = cfg.redis.embedded_aof != "off"
+            server = EmbeddedRedis(port=free_port(), appendonly=durable, data_dir=str((run_dir / "redis").resolve()),
+                                   extra_args=["--appendfsync", cfg.redis.embedded_aof] if durable else [])
             redis = Process("redis", server.command(), logs / "redis.log", ready=_wait_redis(server.port))
             redis.start()
             if not redis.alive():
                 raise SystemExit(f"error: redis-server {describe_exit(redis.returncode)}:\n{redis.tail()}")
             cfg.redis.url = server.url
             log.info("embedded redis-server (%s) on %s%s", server.binary, server.url,
-                     ", append-only file with fsync always" if cfg.redis.embedded_aof else
-                     " (no persistence: if it restarts, the groups it held are lost; redis.embedded_aof keeps them)")
+                     f", append-only file in {run_dir / 'redis'} (fsync {cfg.redis.embedded_aof})" if durable else
+                     " (no persistence, redis.embedded_aof = \"off\": if it restarts, the groups it held are lost)")
             processes.append(redis)
         config_path = run_dir / "config.toml"
         config_path.write_text(dump_toml(cfg))

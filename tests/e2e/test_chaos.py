@@ -1,7 +1,8 @@
 """Chaos through `omrl run`: real processes are killed one at a time, mid-run, and the run
 must still reach its step count, exit 0 and account for every group.
 
-One run (publish_every = 2, the embedded Redis with its append-only file) takes, in turn:
+One run (publish_every = 2, otherwise the defaults: the embedded Redis's append-only file fsynced
+every second, weight versions in RUN_DIR/weights) takes, in turn:
 SIGKILL of an actor, of the env server, of the learner and of the Redis server, then
 SIGTERM of an actor. Each fault lands a random time after a random step (the seed is
 printed), and the next one waits until the system has recovered from it. Afterwards the
@@ -46,8 +47,7 @@ class ChaosRun:
         self.out = open(run_dir.parent / "omrl.out", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir), "--steps", str(STEPS),
-             "--set", "learner.publish_every=2", "--set", "redis.embedded_aof=true",
-             "--set", "learner.eval_every=0"],  # the evaluator's faults: tests/e2e/test_omrl_run.py
+             "--set", "learner.publish_every=2", "--set", "learner.eval_every=0"],  # the evaluator's faults: tests/e2e/test_omrl_run.py
             stdout=self.out, stderr=subprocess.STDOUT, text=True)
         self.events: list[str] = []
 
@@ -178,7 +178,8 @@ def test_every_process_can_die_and_the_run_finishes_with_every_group_accounted_f
         at = chaos.fault("learner", rf"-m learner --config {cfg_pattern}", signal.SIGKILL, chaos.steps() + 2)
         chaos.wait(lambda: chaos.steps() >= at + 4, "4 steps after the learner's restart")
 
-        # 4. SIGKILL Redis: restarted on the same port from its append-only file; nothing is lost.
+        # 4. SIGKILL Redis: restarted on the same port from its append-only file (the default's, fsync
+        # every second: a killed server has written every reply's change to it); nothing is lost.
         port = chaos.redis_port()
         at = chaos.fault("redis", rf"redis-server 127\.0\.0\.1:{port}\b", signal.SIGKILL, chaos.steps() + 2)
         chaos.wait(lambda: chaos.steps() >= at + 4, "4 steps after Redis's restart")

@@ -45,6 +45,25 @@ def test_every_update_mode_is_accepted():
         assert load_config(None, [f"actor.update_mode='{mode}'"], environ={}).actor.update_mode == mode
 
 
+def test_the_embedded_redis_is_durable_by_default_and_keeps_weights_out_of_it(tmp_path):
+    from deploy.supervisor import prepare
+
+    assert load_config(None, environ={}).redis.embedded_aof == "everysec"
+    # The old boolean still reads: true was fsync always, false no file.
+    assert load_config(None, ["redis.embedded_aof=true"], environ={}).redis.embedded_aof == "always"
+    assert load_config(None, ["redis.embedded_aof=false"], environ={}).redis.embedded_aof == "off"
+    with pytest.raises(ConfigError, match=r"redis\.embedded_aof"):
+        load_config(None, ["redis.embedded_aof='sometimes'"], environ={})
+    model = "model.path='/m'"  # prepare builds the tiny model only where none is named
+    cfg = prepare(load_config(None, [f"run.run_dir='{tmp_path}'", model], environ={}))
+    assert cfg.weights.dir == str((tmp_path / "weights").resolve())
+    # A Redis of the user's (other hosts may run actors), the broadcast or a directory named: left as set.
+    for overrides, want in ((["redis.url='redis://h:6379/0'"], None), (["weights.transport='broadcast'"], None),
+                            (["weights.dir='/shared'"], "/shared")):
+        cfg = prepare(load_config(None, [f"run.run_dir='{tmp_path}'", model, *overrides], environ={}))
+        assert cfg.weights.dir == want, overrides
+
+
 def test_bad_override_syntax_explains_the_form():
     with pytest.raises(ConfigError, match="section.field=value"):
         load_config(None, ["lr=1"], environ={})
