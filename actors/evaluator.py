@@ -37,6 +37,7 @@ from broker.retry import REDIS_TRANSIENT, RetryPolicy
 from broker.weights import Announcements, WeightStore
 from common.config import Config, require_set
 from common.gpus import evaluator_devices, visible_gpus
+from common.liveness import beating
 from common.logs import first_line
 from envs.base import EpisodeError
 from envs.client import EnvClient
@@ -85,6 +86,7 @@ class Evaluator:
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, self.stop.set)
         store, gate = WeightStore(client, keys), update_gate("interrupt", self.engine)
+        beats = asyncio.create_task(beating(progressing=lambda: gate.stalled_s() < 2.0))  # common/liveness.py
         weights_dir = tempfile.mkdtemp(prefix="omrl-eval-weights-")
         # With the broadcast transport a member thread stages every version as it comes, whatever
         # the evaluation is doing: no other member waits for this one.
@@ -127,6 +129,7 @@ class Evaluator:
                 if gateway is not None:
                     await gateway.cleanup()
         finally:
+            beats.cancel()
             await announcements.close()
             await asyncio.to_thread(link.close)
             with contextlib.suppress(*REDIS_TRANSIENT):

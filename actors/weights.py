@@ -83,6 +83,7 @@ class WeightGate:
         self._cond = asyncio.Condition()
         self._busy_s = 0.0  # seconds with at least one generate call in flight, up to _busy_since
         self._busy_since = 0.0
+        self._progress_at = time.monotonic()  # the engine's last finished work (a call, an update), or idle's end
         self.update_s = 0.0  # seconds updates held generation back (wait for calls, load, resume)
         self.blocked_s = 0.0  # seconds generate calls waited at the gate, summed over calls
 
@@ -90,6 +91,16 @@ class WeightGate:
     def broken(self) -> bool:
         """A load failed part-way: the engine's weights are unknown until a version loads whole."""
         return self._broken
+
+    def stalled_s(self) -> float:
+        """Seconds the engine has had work (a generate call in flight, or an update under way)
+        without finishing any of it; 0 while it is idle. What an actor's liveness reads: a wedged
+        engine finishes nothing while the event loop goes on."""
+        return time.monotonic() - self._progress_at if self._in_flight or self._updating else 0.0
+
+    def _work_starts(self) -> None:
+        if not self._in_flight and not self._updating:  # idle until now: the stall counts from here
+            self._progress_at = time.monotonic()
 
     @property
     def generating_s(self) -> float:
@@ -105,6 +116,7 @@ class WeightGate:
             waited = time.monotonic()
             await self._cond.wait_for(lambda: not self._updating and not self._broken)
             self.blocked_s += time.monotonic() - waited
+            self._work_starts()
             if not self._in_flight:
                 self._busy_since = time.monotonic()
             self._in_flight += 1
@@ -122,6 +134,7 @@ class WeightGate:
             async with self._cond:
                 self._in_flight -= 1
                 self._pinned -= pinned
+                self._progress_at = time.monotonic()
                 if not self._in_flight:
                     self._busy_s += time.monotonic() - self._busy_since
                 self._cond.notify_all()
@@ -153,6 +166,7 @@ class WeightGate:
         started = time.monotonic()
         interrupt = self._pause is not None
         async with self._cond:
+            self._work_starts()
             self._updating = True
             await self._cond.wait_for(lambda: (self._pinned if interrupt else self._in_flight) == 0)
         try:
@@ -174,6 +188,7 @@ class WeightGate:
         finally:
             async with self._cond:
                 self._updating = False
+                self._progress_at = time.monotonic()
                 self.update_s += time.monotonic() - started
                 self._cond.notify_all()
 

@@ -52,6 +52,7 @@ from broker.streams import RolloutProducer
 from broker.weights import WeightStore
 from common.config import Config, require_set
 from common.gpus import gpu_for, visible_gpus
+from common.liveness import beating
 from common.logs import first_line
 from common.messages import CodecError, RolloutGroup, Sample, encode_group
 from common.metrics import JsonlSink
@@ -139,6 +140,8 @@ class Actor:
             asyncio.get_running_loop().add_signal_handler(sig, self.stop.set)
         self.store = WeightStore(client, keys)
         self.gate = update_gate(cfg.actor.update_mode, self.engine)
+        # Progress: the loop turns and the engine finishes what it is given (a wedged one stops this).
+        beats = asyncio.create_task(beating(progressing=lambda: self.gate.stalled_s() < 2.0))
         # The transport is the learner's choice, read from each version's record.
         self.weights_dir = tempfile.mkdtemp(prefix="omrl-weights-")
         self.link = BroadcastLink(f"{self.name}|{self.incarnation}", self.weights_dir, cfg.weights.timeout_s)
@@ -170,6 +173,7 @@ class Actor:
                 if gateway is not None:
                     await gateway.cleanup()
         finally:
+            beats.cancel()
             await asyncio.to_thread(self.link.close)  # leaves the learner's weight group, if a member
             await client.aclose()
             self.engine.shutdown()

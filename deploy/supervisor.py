@@ -2,7 +2,9 @@
 the env server, N actor processes and the learner, all real processes on this machine.
 
 The supervisor keeps the run alive: a process that exits is restarted (Redis on the same
-port with the same data) after a backoff that doubles with each restart, within a budget
+port with the same data), and so is one alive but making no progress (its beat file,
+common/liveness.py, older than `supervisor.hang_s`: killed first), after a backoff that
+doubles with each restart, within a budget
 per process (`supervisor.max_restarts` in any `supervisor.restart_window_s`); each restart
 is logged with the last lines of the process's log. The run stops when the learner
 finishes its steps (exit code 0), on Ctrl-C, or when a process has spent its budget, with
@@ -29,6 +31,8 @@ from pathlib import Path
 from common.cli import config_from_args, log_config
 from common.config import Config, SupervisorConfig, dump_toml
 from common.files import write_atomic
+from common.liveness import ENV as BEAT_ENV
+from common.liveness import last_beat
 from common.logs import setup_logging
 from common.retry import wait_http
 
@@ -38,31 +42,60 @@ STOP_TIMEOUT_S = 20.0
 
 class Process:
     """One supervised process: its command, its log file, its restarts. With `echo`, its
-    output also goes to this process's stdout (the learner's one line per step)."""
+    output also goes to this process's stdout (the learner's one line per step). With
+    `beat_path`, it touches that file while it makes progress (common/liveness.py)."""
 
     def __init__(self, name: str, args: list[str], log_path: Path, echo: bool = False,
                  ready: Callable[[Process], None] | None = None, env: dict[str, str] | None = None,
-                 optional: bool = False):
+                 optional: bool = False, beat_path: Path | None = None):
         self.name, self.args, self.log_path, self.echo, self.ready = name, args, log_path, echo, ready
         self.env = env  # the environment it starts with (None: this process's)
         self.optional = optional  # when it cannot be kept up, the run goes on without it
+        self.beat_path = beat_path
+        self.hung: str | None = None  # why the supervisor killed this incarnation: it made no progress
         self.given_up = False
         self.proc: subprocess.Popen | None = None
         self.restarts: deque[float] = deque()  # monotonic times of restarts
         self.restart_at: float | None = None
         self.started_at = 0.0
+        self.started_wall = 0.0  # time.time() of the start: beats older than it are a predecessor's
         self.starts = 0
 
     def start(self) -> None:
+        env = self.env
+        if self.beat_path is not None:
+            self.beat_path.parent.mkdir(parents=True, exist_ok=True)
+            env = {**(os.environ if env is None else env), BEAT_ENV: str(self.beat_path)}
+        self.hung = None
+        self.started_wall = time.time()
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE if self.echo else out,
-                                         stderr=subprocess.STDOUT, start_new_session=True, env=self.env)
+                                         stderr=subprocess.STDOUT, start_new_session=True, env=env)
         if self.echo:
             threading.Thread(target=self._tee, args=(self.proc.stdout,), daemon=True).start()
         self.starts += 1
         self.started_at = time.monotonic()
         if self.ready is not None:
             self.ready(self)
+
+    def stalled(self, hang_s: float, start_grace_s: float) -> str | None:
+        """Why this live process counts as hung (no beat within hang_s, or none yet start_grace_s
+        after its start), or None."""
+        if self.beat_path is None or not hang_s:
+            return None
+        now, at = time.time(), last_beat(self.beat_path)
+        if at is None or at < self.started_wall:
+            if now - self.started_wall > start_grace_s:
+                return f"made no progress in the {now - self.started_wall:.0f}s since its start (supervisor.start_grace_s)"
+            return None
+        if now - at > hang_s:
+            return f"made no progress for {now - at:.0f}s (supervisor.hang_s = {hang_s:g})"
+        return None
+
+    def describe_exit(self) -> str:
+        """How it ended, and why the supervisor ended it where it did."""
+        how = describe_exit(self.returncode)
+        return f"{how} (the supervisor's: it {self.hung})" if self.hung else how
 
     def _tee(self, stream) -> None:
         with open(self.log_path, "ab") as out:
@@ -89,15 +122,7 @@ class Process:
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         """SIGTERM, wait, then SIGKILL the whole process group."""
-        if self.proc is None:
-            return
-        self.signal(signal.SIGTERM)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("%s did not stop in %.0fs: killing it", self.name, timeout)
-        self.signal(signal.SIGKILL)
-        self.proc.wait()
+        stop_all([self], timeout)
 
     def tail(self, lines: int = 20) -> str:
         if lines <= 0 or not self.log_path.exists():
@@ -105,6 +130,24 @@ class Process:
         with open(self.log_path, "rb") as f:
             f.seek(max(0, f.seek(0, os.SEEK_END) - 64 * 1024))
             return "\n".join(f.read().decode(errors="replace").splitlines()[-lines:])
+
+
+def stop_all(processes: list[Process], timeout: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM to every process group at once (with SIGCONT, so that a stopped process hears it),
+    one wait of `timeout` for them all, then SIGKILL to what is left of each group: a hung process
+    costs the timeout once, whatever the number of processes."""
+    started = [p for p in processes if p.proc is not None]
+    for p in started:
+        p.signal(signal.SIGTERM)
+        p.signal(signal.SIGCONT)
+    deadline = time.monotonic() + timeout
+    for p in started:
+        try:
+            p.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            log.warning("%s did not stop in %.0fs: killing it", p.name, timeout)
+        p.signal(signal.SIGKILL)
+        p.proc.wait()
 
 
 def describe_exit(code: int) -> str:
@@ -140,6 +183,12 @@ class Supervisor:
                 continue
             code = p.returncode
             if code is None:
+                hung = None if p.hung else p.stalled(self.cfg.hang_s, self.cfg.start_grace_s)
+                if hung:
+                    p.hung = hung
+                    log.error("%s %s: killing it to restart it. Last lines of its log (%s):\n%s", p.name, p.hung,
+                              p.log_path, p.tail(self.cfg.log_lines))
+                    p.signal(signal.SIGKILL)  # a stopped process too; its exit is seen next
                 continue
             p.signal(signal.SIGKILL)  # what it left behind in its process group
             if p is self.learner and code == 0:
@@ -157,17 +206,17 @@ class Supervisor:
                 if p.optional:
                     p.given_up = True
                     log.error("%s %s; the run goes on without it: %s. Last lines of its log (%s):\n%s", p.name,
-                              describe_exit(code), why, p.log_path, p.tail(self.cfg.log_lines))
+                              p.describe_exit(), why, p.log_path, p.tail(self.cfg.log_lines))
                     continue
-                log.error("%s %s; stopping the run: %s. Last lines of its log (%s):\n%s", p.name, describe_exit(code),
+                log.error("%s %s; stopping the run: %s. Last lines of its log (%s):\n%s", p.name, p.describe_exit(),
                           why, p.log_path, p.tail(self.cfg.log_lines))
-                self.failure = f"{p.name} {describe_exit(code)}, and {why}; its log: {p.log_path}"
+                self.failure = f"{p.name} {p.describe_exit()}, and {why}; its log: {p.log_path}"
                 return 1
             p.restarts.append(now)
             delay = self.backoff(p)
             p.restart_at = now + delay
             log.warning("%s %s; restart %d of at most %d in %.0fs, in %.1fs. Last lines of its log (%s):\n%s",
-                        p.name, describe_exit(code), len(p.restarts), self.cfg.max_restarts,
+                        p.name, p.describe_exit(), len(p.restarts), self.cfg.max_restarts,
                         self.cfg.restart_window_s, delay, p.log_path, p.tail(self.cfg.log_lines))
         return None
 
@@ -257,6 +306,7 @@ def run(args: argparse.Namespace) -> int:
     run_dir = Path(cfg.run.run_dir)
     logs = run_dir / "logs"
     logs.mkdir(parents=True, exist_ok=True)
+    beats = run_dir / "liveness"  # each process's beat file (common/liveness.py)
     (run_dir / "redis").mkdir(exist_ok=True)
     cfg = prepare(cfg)
 
@@ -296,21 +346,21 @@ def run(args: argparse.Namespace) -> int:
         cfg_args = ["--config", str(config_path)]
         if not cfg.env.url:
             env = Process("env-server", [*py, "envs", *cfg_args], logs / "env.log",
-                          ready=_wait_http(cfg.env.base_url + "/"))
+                          ready=_wait_http(cfg.env.base_url + "/"), beat_path=beats / "env-server")
             env.start()
             processes.append(env)
             if not env.alive():
                 raise SystemExit(f"error: the env server {describe_exit(env.returncode)}:\n{env.tail()}")
             log.info("env server %r on %s", cfg.env.name, cfg.env.base_url)
         learner = Process("learner", [*py, *learner_launcher(cfg.learner.ranks), "learner", *cfg_args],
-                          logs / "learner.log", echo=True)
+                          logs / "learner.log", echo=True, beat_path=beats / "learner")
         processes.append(learner)
-        processes += [Process(f"actor{i}", [*py, "actors", *cfg_args, "--index", str(i)], logs / f"actor{i}.log")
-                      for i in range(cfg.actor.num_actors)]
+        processes += [Process(f"actor{i}", [*py, "actors", *cfg_args, "--index", str(i)], logs / f"actor{i}.log",
+                              beat_path=beats / f"actor{i}") for i in range(cfg.actor.num_actors)]
         evaluator_env = evaluator_environment(cfg)
         if evaluator_env is not None:  # its own engine: evaluations hold up no actor and no update
             processes.append(Process("evaluator", [*py, "actors", *cfg_args, "--evaluator"], logs / "evaluator.log",
-                                     env=evaluator_env, optional=True))
+                                     env=evaluator_env, optional=True, beat_path=beats / "evaluator"))
         for p in processes:
             if p.proc is None:
                 p.start()
@@ -333,9 +383,11 @@ def run(args: argparse.Namespace) -> int:
             log.info("interrupted: stopping every process")
             outcome = 130
     finally:
-        for p in reversed(processes):  # actors before the env server they talk to; Redis last
-            if p is not redis:
-                p.stop()
+        # The actors (and the evaluator) first, while the env server they talk to is up; then the
+        # learner and the env server; Redis last.
+        playing = [p for p in processes if p.name.startswith("actor") or p.name == "evaluator"]
+        stop_all(playing)
+        stop_all([p for p in processes if p is not redis and p not in playing])
         if cfg.redis.url and (redis is None or redis.alive()):
             _report(cfg, run_dir)
         if redis is not None:

@@ -11,6 +11,7 @@ from common.logs import setup_logging
 
 
 async def _serve(cfg) -> None:
+    from common.liveness import beating
     from envs.server import EnvServer, serve
     from envs.workers import WorkerPool
 
@@ -22,7 +23,9 @@ async def _serve(cfg) -> None:
     if cfg.env.workers == 1:
         runner = await serve(EnvServer(cfg.env.name, cfg.env.options), cfg.env.host, cfg.env.port)
         print(f"env server {where}", flush=True)
+        beats = asyncio.create_task(beating())  # the loop that answers requests turns
         await stop.wait()
+        beats.cancel()
         await runner.cleanup()
         return
     pool = WorkerPool(cfg.env.name, cfg.env.options, cfg.env.workers, cfg.env.host, cfg.env.port, cfg.run.log_level)
@@ -32,7 +35,11 @@ async def _serve(cfg) -> None:
     listening.cancel()  # (still waiting where the pool failed to start: `await run` raises why)
     if started.is_set():
         print(f"env server {where} ({cfg.env.workers} worker processes, ports {pool.ports})", flush=True)
-    await run
+    beats = asyncio.create_task(beating())  # the pool's loop turns (a hung worker: not seen here)
+    try:
+        await run
+    finally:
+        beats.cancel()
 
 
 def main(argv: list[str] | None = None, preflight: Preflight | None = None) -> None:

@@ -33,6 +33,7 @@ import torch
 from broker.admission import announce_step
 from broker.weights import STAGING, WeightStore
 from common.config import Config, require_set
+from common.liveness import beat
 from common.messages import RolloutGroup, decode_group
 from common.metrics import Sinks
 from common.models import save_policy
@@ -156,6 +157,7 @@ class Learner:
         lcfg = self.cfg.learner
         batch: list[Delivery] = []
         while len(batch) < lcfg.groups_per_step and not self.stopping:
+            beat()  # waiting for groups is progress: the actors' pace is theirs (common/liveness.py)
             self._acknowledge_saved(bridge, wait=False)  # a background checkpoint may have ended meanwhile
             d = bridge.get(timeout=0.5)
             if d is None:
@@ -300,6 +302,7 @@ class Learner:
                 # The record before the checkpoint: a crash between them trains the step again and
                 # writes its record twice (the last one counts), never a checkpointed step without one.
                 sink.write(record)
+                beat()
                 if kept:
                     sink.text(record["step"], as_text(kept))
                 self.checkpoint_s = 0.0

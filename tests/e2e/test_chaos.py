@@ -1,11 +1,13 @@
-"""Chaos through `omrl run`: real processes are killed one at a time, mid-run, and the run
-must still reach its step count, exit 0 and account for every group.
+"""Chaos through `omrl run`: real processes are stopped or killed one at a time, mid-run, and
+the run must still reach its step count, exit 0 and account for every group.
 
-One run (publish_every = 2, otherwise the defaults: the embedded Redis's append-only file fsynced
-every second, weight versions in RUN_DIR/weights) takes, in turn:
-SIGKILL of an actor, of the env server, of the learner and of the Redis server, then
-SIGTERM of an actor. Each fault lands a random time after a random step (the seed is
-printed), and the next one waits until the system has recovered from it. Afterwards the
+One run (publish_every = 2, supervisor.hang_s = 20, otherwise the defaults: the embedded
+Redis's append-only file fsynced every second, weight versions in RUN_DIR/weights) takes, in
+turn: SIGSTOP of an actor, of the env server and of the learner (alive but hung: the
+supervisor must see that they make no progress, kill them within hang_s and restart them),
+SIGKILL of the Redis server, then SIGTERM of an actor. Each fault lands a random time after a
+random step (the seed is printed), and the next one waits until the system has recovered
+from it. Afterwards the
 test reopens the run's Redis data and checks the books from the raw streams: every group
 started was produced, failed with a reason, or is still running; every group produced was
 trained (exactly once), dead-lettered, or is waiting in a stream.
@@ -31,12 +33,13 @@ from broker.keys import Keys
 from common.messages import decode_group
 from common.metrics import read_jsonl
 from tests.budget import patience
-from tests.e2e.test_omrl_run import processes_mentioning
+from tests.e2e.test_omrl_run import cmdline, processes_mentioning
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.redis]
 
 # About 1.2 steps/s on 2 cores; a restarted actor needs 60-90 s (vLLM's start) to produce again.
 STEPS, B = 260, 8
+HANG_S = 20  # supervisor.hang_s: a stopped process is killed and restarted this long after its last beat
 FAILURE_REASONS = {"actor_lost", "env_unreachable", "env_error", "env_timeout", "cancelled"}
 
 
@@ -47,7 +50,8 @@ class ChaosRun:
         self.out = open(run_dir.parent / "omrl.out", "w+")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir), "--steps", str(STEPS),
-             "--set", "learner.publish_every=2", "--set", "learner.eval_every=0"],  # the evaluator's faults: tests/e2e/test_omrl_run.py
+             "--set", "learner.publish_every=2", "--set", f"supervisor.hang_s={HANG_S}",
+             "--set", "learner.eval_every=0"],  # the evaluator's faults: tests/e2e/test_omrl_run.py
             stdout=self.out, stderr=subprocess.STDOUT, text=True)
         self.events: list[str] = []
 
@@ -73,8 +77,8 @@ class ChaosRun:
 
     def pid(self, pattern: str) -> int:
         """The pid of the one process whose command line matches `pattern`."""
-        pids = [pid for pid in processes_mentioning("") if re.search(pattern, _cmdline(pid))]
-        assert len(pids) == 1, (pattern, [(_cmdline(p)) for p in pids])
+        pids = [pid for pid in processes_mentioning("") if re.search(pattern, cmdline(pid))]
+        assert len(pids) == 1, (pattern, [(cmdline(p)) for p in pids])
         return pids[0]
 
     def fault(self, name: str, pattern: str, sig: int, after_steps: int, ready=None) -> int:
@@ -125,13 +129,6 @@ async def _members(client, keys) -> list[dict]:
     return await Membership(client, keys).members(dead_after_s=3600)
 
 
-def _cmdline(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
 def read_books(redis_dir: Path, run: str) -> dict:
     """Reopen the run's Redis data (its append-only file) and read the raw streams and counters."""
     with EmbeddedRedis(binary=find_redis_server(), appendonly=True, data_dir=str(redis_dir)) as server:
@@ -159,23 +156,26 @@ def test_every_process_can_die_and_the_run_finishes_with_every_group_accounted_f
         chaos.wait(lambda: chaos.steps() >= 1, "the first step", timeout=400)
         cfg_pattern = re.escape(str(run_dir / "config.toml"))
 
-        # 1. SIGKILL an actor: its successor returns its tickets and starts on the current weights.
+        # 1. SIGSTOP an actor: alive, hung; killed within hang_s; its successor returns its tickets and
+        # starts on the current weights.
         victim = chaos.rng.randrange(2)
         old = chaos.pid(rf"-m actors --config {cfg_pattern} --index {victim}\b")
         # It is killed while it holds tickets (an actor waiting for admission may hold none);
         # those it still holds once dead are the ones that must come back as actor_lost.
-        chaos.fault(f"actor{victim}", rf"-m actors --config {cfg_pattern} --index {victim}\b", signal.SIGKILL, 4,
+        chaos.fault(f"actor{victim}", rf"-m actors --config {cfg_pattern} --index {victim}\b", signal.SIGSTOP, 4,
                     ready=lambda: chaos.tickets_held_by(victim) > 0)
         lost = chaos.tickets_held_by(victim)
-        print(f"actor{victim} died holding {lost} tickets", flush=True)
+        print(f"actor{victim} stopped holding {lost} tickets", flush=True)
         chaos.wait(lambda: chaos.actor_back(victim, old), f"actor{victim} back and producing")
 
-        # 2. SIGKILL the env server: groups in flight fail with a reason, actors wait and go on.
-        at = chaos.fault("env server", rf"-m envs --config {cfg_pattern}", signal.SIGKILL, chaos.steps() + 2)
+        # 2. SIGSTOP the env server: killed within hang_s; groups in flight fail with a reason, actors wait
+        # and go on.
+        at = chaos.fault("env server", rf"-m envs --config {cfg_pattern}", signal.SIGSTOP, chaos.steps() + 2)
         chaos.wait(lambda: chaos.steps() >= at + 4, "4 steps after the env server's restart")
 
-        # 3. SIGKILL the learner mid-batch: it resumes from its checkpoint, re-reads its pending groups.
-        at = chaos.fault("learner", rf"-m learner --config {cfg_pattern}", signal.SIGKILL, chaos.steps() + 2)
+        # 3. SIGSTOP the learner mid-batch: killed within hang_s; it resumes from its checkpoint, re-reads
+        # its pending groups.
+        at = chaos.fault("learner", rf"-m learner --config {cfg_pattern}", signal.SIGSTOP, chaos.steps() + 2)
         chaos.wait(lambda: chaos.steps() >= at + 4, "4 steps after the learner's restart")
 
         # 4. SIGKILL Redis: restarted on the same port from its append-only file (the default's, fsync
@@ -201,11 +201,12 @@ def test_every_process_can_die_and_the_run_finishes_with_every_group_accounted_f
     print("\n".join(chaos.events))
     print("\n".join(line for line in out.splitlines() if "omrl.run" in line and ("restart" in line or "groups:" in line)))
 
-    # Each fault was seen and answered by a restart.
-    for name, how in (("actor", "was killed by SIGKILL"), ("env-server", "was killed by SIGKILL"),
-                      ("learner", "was killed by SIGKILL"), ("redis", "was killed by SIGKILL"),
+    # Each fault was seen and answered by a restart; each hung process within hang_s of its last beat.
+    hung = r"was killed by SIGKILL \(the supervisor's: it made no progress for (\d+)s \(supervisor.hang_s = 20\)\)"
+    for name, how in (("actor", hung), ("env-server", hung), ("learner", hung), ("redis", "was killed by SIGKILL"),
                       ("actor", "exited with code 0")):
         assert re.search(rf"{name}\d? {how}; restart \d of at most", out), (name, how)
+    assert all(HANG_S <= int(s) <= HANG_S + 5 for s in re.findall(hung, out)), re.findall(hung, out)
     # The env server's death cost groups, not actors: only the two actor faults restarted one.
     assert len(re.findall(r"omrl\.run: actor\d (?:was killed|exited)", out)) == 2
 

@@ -4,6 +4,7 @@ two vLLM actors on CPU and the learner, on the default tiny model."""
 import json
 import math
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -15,23 +16,24 @@ import pytest
 
 from common.config import Config
 from common.metrics import read_jsonl
+from deploy.supervisor import STOP_TIMEOUT_S
 from tests.budget import patience
 from tests.e2e.learning import fifths
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.redis]
 
 
+def cmdline(pid: int) -> str:
+    """The process's command line, words joined by spaces ("" where it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
 def processes_mentioning(text: str) -> list[int]:
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmdline and int(entry.name) != os.getpid():
-                pids.append(int(entry.name))
-    return pids
+    return [int(e.name) for e in Path("/proc").iterdir()
+            if e.name.isdigit() and int(e.name) != os.getpid() and text in cmdline(int(e.name))]
 
 
 def omrl(*args: str, **kw) -> subprocess.Popen:
@@ -260,8 +262,9 @@ def test_omrl_view_shows_the_runs_episodes_in_a_browser(default_run, tmp_path):
 
 @pytest.mark.timeout(patience(80))
 def test_ctrl_c_stops_every_process_and_two_ranks_resume_on_one(tmp_path):
-    """The learner runs as 2 FSDP2 ranks under torchrun; Ctrl-C stops every process (the
-    ranks included) after a commit; the run then resumes from that checkpoint on 1 rank."""
+    """The learner runs as 2 FSDP2 ranks under torchrun; Ctrl-C, with the env server hung
+    (SIGSTOPped), stops every process (the ranks included) after a commit within one stop
+    timeout a stage; the run then resumes from that checkpoint on 1 rank."""
     run_dir, shared = tmp_path / "run", tmp_path / "shared"
     # Weights as files in a shared directory (weights.dir) rather than in Redis.
     proc = omrl("run", "--run-dir", str(run_dir), "--steps", "1000", "--set", "learner.ranks=2",
@@ -274,9 +277,17 @@ def test_ctrl_c_stops_every_process_and_two_ranks_resume_on_one(tmp_path):
     assert any("step 2 " in line for line in lines), "".join(lines[-30:])
     assert len(processes_mentioning(str(run_dir))) >= 4  # env server, learner, two actors
     assert len(processes_mentioning(str(run_dir))) >= 6  # env server, torchrun and its 2 ranks, two actors
+    env_server = [pid for pid in processes_mentioning(str(run_dir)) if " -m envs " in cmdline(pid)]
+    assert len(env_server) == 1
+    os.kill(env_server[0], signal.SIGSTOP)  # hung: the actors' episodes wait on it
+    time.sleep(random.random())
+    began = time.monotonic()
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
+    took = time.monotonic() - began
     assert proc.returncode == 130, out[-3000:]
+    # The actors' stage, then the learner's and the env server's: at most STOP_TIMEOUT_S each.
+    assert took < 2 * STOP_TIMEOUT_S + 10, took
     assert processes_mentioning(str(run_dir)) == []
     learner_log = (run_dir / "logs" / "learner.log").read_text()
     assert "rank 1 of 2 on cpu (gloo)" in learner_log and "(fsdp2)" in learner_log

@@ -1,17 +1,22 @@
 """The supervisor's restart policy on real processes: backoff that doubles, a budget per
 process within a window, start failures not retried, the learner's exit code 0 ending the
 run, an optional process (the evaluator) given up on while the run goes on, the last lines of
-a process's log in every restart message, and nothing left behind in a dead process's group."""
+a process's log in every restart message, and nothing left behind in a dead process's group;
+a process alive but making no progress (SIGSTOPped, or never up) killed and restarted, and a
+stop that costs one timeout whatever hangs."""
 
 import logging
 import os
+import random
+import re
+import signal
 import sys
 import time
 
 import pytest
 
 from common.config import SupervisorConfig
-from deploy.supervisor import Process, Supervisor
+from deploy.supervisor import Process, Supervisor, stop_all
 
 
 def python(tmp_path, name: str, code: str) -> Process:
@@ -99,13 +104,12 @@ def test_an_optional_process_that_cannot_be_kept_up_is_given_up_and_the_run_goes
 
 
 def test_the_learners_exit_code_zero_ends_the_run_any_other_restarts_it(tmp_path):
-    learner = python(tmp_path, "learner", "import os, sys; sys.exit(0 if os.path.exists(sys.argv[-1]) else 143)")
-    marker = tmp_path / "second-start"
-    learner.args.append(str(marker))
+    # The first start exits 143 (stopped by a signal), the restart exits 0 (done).
+    learner = python(tmp_path, "learner", "import pathlib, sys; marker = pathlib.Path(sys.argv[-1]); "
+                                          "sys.exit(0) if marker.exists() else (marker.touch(), sys.exit(143))")
+    learner.args.append(str(tmp_path / "started-once"))
     supervisor = Supervisor(SupervisorConfig(backoff_s=0.3, start_s=0), [learner], learner=learner)
     learner.start()
-    time.sleep(0.1)
-    marker.touch()  # the first start exits 143 (stopped by a signal), the restart exits 0 (done)
     assert run_until(supervisor) == 0 and learner.starts == 2
 
 
@@ -139,3 +143,98 @@ def _alive(pid: int) -> bool:
             os.waitpid(pid, os.WNOHANG)
         except ChildProcessError:
             pass
+
+
+BEATING = """
+import os, pathlib, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+path = pathlib.Path(os.environ["OMRL_BEAT_FILE"])
+while True:
+    path.touch()  # what common.liveness.beat does
+    time.sleep(0.05)
+"""
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_process_that_stops_making_progress_is_killed_and_restarted_within_hang_s(tmp_path, caplog, seed):
+    """SIGSTOP at a random moment: alive, but its beat file goes stale; the supervisor kills it
+    within supervisor.hang_s (plus its check's period) and starts it again, saying why."""
+    rng = random.Random(seed)
+    actor = Process("actor0", [sys.executable, "-c", BEATING], tmp_path / "actor0.log",
+                    beat_path=tmp_path / "liveness" / "actor0")
+    steady = python(tmp_path, "env-server", "import time; time.sleep(60)")  # no beat file: never judged
+    cfg = SupervisorConfig(hang_s=1.0, start_grace_s=30, backoff_s=0.1, start_s=0)
+    supervisor = Supervisor(cfg, [actor, steady], learner=None)
+    actor.start()
+    steady.start()
+    try:
+        assert run_until(supervisor, timeout=0.5 + rng.random()) is None  # beating: left alone
+        assert actor.starts == 1 and actor.alive()
+        first = actor.proc.pid
+        os.kill(first, signal.SIGSTOP)
+        time.sleep(0.05)
+        last = actor.beat_path.stat().st_mtime  # its last beat: stopped, it beats no more
+        with caplog.at_level(logging.INFO):
+            deadline = time.monotonic() + 10
+            while actor.starts < 2 and time.monotonic() < deadline:
+                assert supervisor.check() is None
+                time.sleep(0.02)
+        assert actor.starts == 2 and actor.proc.pid != first and not _alive(first)
+        killed = next(r.created for r in caplog.records if "actor0 made no progress for" in r.getMessage())
+        assert 1.0 <= killed - last < 2.5  # hang_s after its last beat, give or take the check's period
+        assert "supervisor.hang_s = 1" in caplog.text
+        assert "actor0 was killed by SIGKILL (the supervisor's: it made no progress for" in caplog.text
+        # The successor beats: its predecessor's stale file does not count against it.
+        assert run_until(supervisor, timeout=2) is None and actor.starts == 2 and steady.starts == 1
+    finally:
+        stop_all([actor, steady], timeout=5)
+
+
+def test_a_process_that_never_makes_progress_is_taken_as_hung_after_its_start_grace(tmp_path, caplog):
+    silent = python(tmp_path, "learner", "import time; time.sleep(60)")
+    silent.beat_path = tmp_path / "liveness" / "learner"
+    cfg = SupervisorConfig(hang_s=0.5, start_grace_s=1.5, backoff_s=0.1, start_s=0, max_restarts=1)
+    supervisor = Supervisor(cfg, [silent], learner=silent)
+    silent.start()
+    with caplog.at_level(logging.INFO):
+        assert run_until(supervisor, timeout=1.2) is None and silent.starts == 1  # still starting
+        assert run_until(supervisor, timeout=10) == 1  # twice hung: the restart budget is spent
+    assert silent.starts == 2 and "(supervisor.start_grace_s)" in caplog.text
+    assert re.search(r"made no progress in the [12]s since its start", caplog.text)
+    assert supervisor.failure.startswith("learner was killed by SIGKILL (the supervisor's: it made no progress in")
+    # hang_s = 0 turns the check off.
+    quiet = python(tmp_path, "actor1", "import time; time.sleep(60)")
+    quiet.beat_path = tmp_path / "liveness" / "actor1"
+    supervisor = Supervisor(SupervisorConfig(hang_s=0, start_grace_s=0.2, start_s=0), [quiet], learner=None)
+    quiet.start()
+    try:
+        assert run_until(supervisor, timeout=1) is None and quiet.starts == 1
+    finally:
+        quiet.stop(timeout=5)
+
+
+def test_stopping_the_run_with_stopped_and_deaf_processes_costs_one_timeout(tmp_path):
+    """Ctrl-C with hung processes: every group hears SIGTERM at once (a SIGSTOPped one after the
+    SIGCONT that comes with it), and one that ignores it is SIGKILLed when the one wait ends."""
+    graceful = """
+import signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: (print("drained", flush=True), sys.exit(0)))
+print("up", flush=True)
+time.sleep(60)
+"""
+    stopped = [python(tmp_path, f"actor{i}", graceful) for i in range(2)]
+    deaf = python(tmp_path, "env-server", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                                          "print('up', flush=True); time.sleep(60)")
+    for p in (*stopped, deaf):
+        p.start()
+    deadline = time.monotonic() + 20
+    while not all("up" in p.tail() for p in (*stopped, deaf)) and time.monotonic() < deadline:
+        time.sleep(0.05)  # each has its handler set
+    for p in stopped:
+        os.kill(p.proc.pid, signal.SIGSTOP)
+    began = time.monotonic()
+    stop_all([*stopped, deaf], timeout=2.0)
+    took = time.monotonic() - began
+    assert 2.0 <= took < 4.0, took  # one wait, not one a process
+    assert all(p.returncode == 0 and "drained" in p.tail() for p in stopped)  # stopped, yet they heard it
+    assert deaf.returncode == -signal.SIGKILL

@@ -69,7 +69,8 @@ def test_kubernetes_manifests_pass_the_api_schemas():
 
 def test_kubernetes_manifests_fit_together():
     """Services select pods that exist, every ConfigMap and claim named is defined, the
-    containers run CLI roles, and no actor is given an index (replicas take one from Redis)."""
+    containers run CLI roles, no actor is given an index (replicas take one from Redis), and
+    every role's container is restarted by a liveness probe that reads the beat file it sets."""
     docs = manifests()
     defined = {(d["kind"], d["metadata"]["name"]) for d in docs}
     pod_labels = [d["spec"]["template"]["metadata"]["labels"] for d in docs if "template" in d.get("spec", {})]
@@ -88,6 +89,10 @@ def test_kubernetes_manifests_fit_together():
             if container["image"].startswith("openmanus-rl:"):
                 assert container["args"][0] in ROLES, container["args"]
                 assert "--index" not in container["args"]
+                if container["args"][0] in ("actor", "learner", "env-server"):  # hung, it is restarted
+                    beat_file = {e["name"]: e.get("value") for e in container["env"]}["OMRL_BEAT_FILE"]
+                    probe = container["livenessProbe"]["exec"]["command"]
+                    assert probe[:4] == ["python", "-m", "common.liveness", beat_file], probe
                 mounts = {m["name"] for m in container.get("volumeMounts", [])}
                 assert mounts <= {v["name"] for v in pod.get("volumes", [])}, container["name"]
         if d["metadata"]["labels"].get("app.kubernetes.io/component") in ("actor", "learner", "evaluator"):

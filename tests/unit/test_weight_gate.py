@@ -324,3 +324,44 @@ def test_a_kept_load_counts_each_request_s_tokens_and_a_failed_one_aborts_them()
     with pytest.raises(RuntimeError, match="truncated"):
         asyncio.run(gate.apply(2, lambda: engine.load_weights("/w")))
     assert engine.llm.calls == ["keep", "omrl_reload_weights", "abort", "resume"] and gate.broken
+
+
+def test_stalled_time_is_work_held_without_anything_finishing_and_nothing_while_idle():
+    """What an actor's liveness reads (common/liveness.py): a wedged engine's calls never end."""
+    async def scenario():
+        gate = WeightGate(version=0)
+        wedged, release = asyncio.Event(), asyncio.Event()
+        assert gate.stalled_s() == 0.0
+        await asyncio.sleep(0.2)  # idle time is no stall, and does not count once work starts
+
+        async def generate(until: asyncio.Event | None, hold: float = 0.0):
+            async with gate.generating():
+                wedged.set()
+                if until is not None:
+                    await until.wait()
+                await asyncio.sleep(hold)
+
+        stuck = asyncio.create_task(generate(release))
+        await wedged.wait()
+        assert gate.stalled_s() < 0.1
+        # Other calls finishing beside the stuck one are progress: the engine still answers.
+        for _ in range(3):
+            await generate(None, 0.05)
+            assert gate.stalled_s() < 0.05
+        await asyncio.sleep(0.3)
+        held = gate.stalled_s()
+        assert 0.3 <= held < 1.0, held
+        release.set()
+        await stuck
+        assert gate.stalled_s() == 0.0
+
+        async def hung_load():
+            await asyncio.sleep(0.2)
+        update = asyncio.create_task(gate.apply(1, hung_load))
+        await asyncio.sleep(0.1)
+        assert 0.05 <= gate.stalled_s() < 0.2  # an update under way is work too
+        await update
+        return gate.stalled_s()
+
+    assert asyncio.run(scenario()) == 0.0
+

@@ -1,0 +1,73 @@
+"""Liveness: a process of a run says "I am making progress" by touching its beat file, the
+path in OMRL_BEAT_FILE (`omrl run` sets one per process, in RUN_DIR/liveness). A process
+that is alive but stuck (SIGSTOPped, deadlocked, an engine that stopped answering) stops
+touching it; the supervisor kills and restarts a process whose file is older than
+`supervisor.hang_s` (docs/concepts/faults.md), and a container's health check can read the
+same file (`python -m common.liveness PATH MAX_AGE_S`, exit 1 when stale).
+
+What counts as progress is each role's own: the env server's event loop turning; an actor's
+loop turning while its engine finishes generate calls (`WeightGate.stalled_s`); the
+learner's loop between steps and while it waits for groups. A process beats only once it
+is up: the time before its first beat (vLLM's start, loading a model) is bounded by
+`supervisor.start_grace_s` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ENV = "OMRL_BEAT_FILE"
+
+
+def beat() -> None:
+    """Touch this process's beat file (nothing where OMRL_BEAT_FILE is unset)."""
+    path = os.environ.get(ENV)
+    if not path:
+        return
+    try:
+        os.utime(path)
+    except FileNotFoundError:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).touch()
+
+
+async def beating(every_s: float = 1.0, progressing: Callable[[], bool] = lambda: True) -> None:
+    """A task of the process's event loop: beat every `every_s` while `progressing()` says so.
+    A blocked or stopped loop stops beating with it."""
+    while True:
+        if progressing():
+            beat()
+        await asyncio.sleep(every_s)
+
+
+def last_beat(path: Path) -> float | None:
+    """The wall-clock time of the file's last beat, or None where it has none."""
+    try:
+        return path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+
+
+def main(argv: list[str]) -> int:
+    """`python -m common.liveness PATH MAX_AGE_S`: 0 while PATH was touched within MAX_AGE_S."""
+    if len(argv) != 2:
+        print("usage: python -m common.liveness BEAT_FILE MAX_AGE_S", file=sys.stderr)
+        return 2
+    at = last_beat(Path(argv[0]))
+    if at is None:
+        print(f"{argv[0]}: no beat yet", file=sys.stderr)
+        return 1
+    age = time.time() - at
+    if age > float(argv[1]):
+        print(f"{argv[0]}: no progress for {age:.0f}s", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
