@@ -23,17 +23,24 @@ BENCHMARKS = {"broker": "benchmarks.broker", "pipeline": "benchmarks.pipeline", 
               "engine": "benchmarks.engine", "learner": "benchmarks.learner", "memory": "benchmarks.memory",
               "shards": "benchmarks.shards", "fanout": "benchmarks.fanout", "env": "benchmarks.env",
               "staleness": "benchmarks.staleness", "scale": "benchmarks.scale", "evaluator": "benchmarks.evaluator"}
+# Run by name only, never by `all`: they take their minutes whatever --quick says of the others.
+BY_NAME_ONLY = {"soak": "benchmarks.soak"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("name", choices=[*BENCHMARKS, "all"], help="the benchmark, or all of them")
+    p.add_argument("name", choices=[*BENCHMARKS, *BY_NAME_ONLY, "all"],
+                   help="the benchmark, or all of them (but soak: by name only)")
     p.add_argument("--quick", action="store_true", help="seconds per benchmark: a smoke test, not a measurement")
     p.add_argument("--out", default="bench-results", help="directory for NAME.json, NAME.png and table.md")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where models run (learner, engine, weights); cuda needs a GPU and OMRL_EXTRA=gpu's vLLM")
+    p.add_argument("--minutes", type=float, help="soak: how long the run goes on (default 120; --quick: 10)")
 
 
 def main(args: argparse.Namespace) -> int:
+    if args.minutes is not None and args.name not in BY_NAME_ONLY:
+        print(f"error: --minutes is soak's: omrl bench {args.name} takes no duration", file=sys.stderr)
+        return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.device == "cuda":
@@ -47,9 +54,9 @@ def main(args: argparse.Namespace) -> int:
     results = {}
     bar = Progress(len(names) if len(names) > 1 else 0, "benchmarks", "bench")
     for name in names:
-        module = importlib.import_module(BENCHMARKS[name])
+        module = importlib.import_module({**BENCHMARKS, **BY_NAME_ONLY}[name])
         started = time.monotonic()
-        result = module.run(args.quick, args.device)
+        result = module.run(args.quick, args.device, **({"minutes": args.minutes} if name in BY_NAME_ONLY else {}))
         result.update(name=name, quick=args.quick, device=args.device, seconds=time.monotonic() - started, machine=machine())
         (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
         module.plot(result, out / f"{name}.png")
@@ -60,7 +67,7 @@ def main(args: argparse.Namespace) -> int:
     print(markdown_table(results))
     # The table covers every benchmark whose result is in OUT, so one benchmark run again
     # (say `omrl bench pipeline --out DIR` after `all`) updates its rows in place.
-    kept = {name: json.loads((out / f"{name}.json").read_text()) for name in BENCHMARKS
+    kept = {name: json.loads((out / f"{name}.json").read_text()) for name in {**BENCHMARKS, **BY_NAME_ONLY}
             if (out / f"{name}.json").exists()}
     (out / "table.md").write_text(markdown_table(kept))
     return 0

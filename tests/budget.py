@@ -30,6 +30,7 @@ LONGEST_FIRST = [
     "tests/e2e/test_omrl_run.py",
     "tests/integration/test_bench.py",
     "tests/e2e/test_chaos.py",
+    "tests/e2e/test_partitions.py",
     "tests/e2e/test_agent_learns.py",
     "tests/integration/test_real_env_runs.py",
     "tests/integration/test_plugins.py",
