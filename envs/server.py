@@ -137,17 +137,26 @@ class EnvServer:
             return call()
         return await asyncio.get_running_loop().run_in_executor(self._pool, call)
 
-    async def _call(self, env_id: int, what: str, call: Callable[[Env], T]) -> T:
+    async def _call(self, env_id: int, what: str, call: Callable[[Env], T], in_episode: bool = False,
+                    playing: Callable[[T], bool] | None = None) -> T:
         """Run `call(env)` in a worker thread, one call at a time per instance. A RuntimeError
         is the env refusing the request (409; `{id}` in its message becomes the instance's id, as
         AgentGym's messages name it), NotImplementedError a method it lacks (404);
-        anything else is a crash: the instance is freed and the client gets 500."""
+        anything else is a crash: the instance is freed and the client gets 500. Under the
+        same lock: `in_episode` refuses the call (409) where no episode is under way, and
+        `playing(result)` says whether one is after it."""
         inst = self._instance(env_id)
         async with inst.lock:
             if self.instances.get(env_id) is not inst:
                 raise RequestError(404, f"no env with id {env_id} (closed while this request waited)")
+            if in_episode and not inst.playing:  # an action means nothing before a reset or after the end
+                raise RequestError(409, f"env {env_id} has no episode under way (reset it first; a finished one "
+                                        f"has no next action): no {what} action")
             try:
-                return await self._in_thread(lambda: call(inst.env))
+                result = await self._in_thread(lambda: call(inst.env))
+                if playing is not None:
+                    inst.playing = playing(result)
+                return result
             except NotImplementedError as exc:  # (a RuntimeError too) the env has no such method
                 raise RequestError(404, str(exc)) from None
             except RuntimeError as exc:
@@ -202,8 +211,8 @@ class EnvServer:
     async def reset(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         env_id, task_idx = self._int(body, "id"), self._int(body, "data_idx")
-        observation, fields = await self._call(env_id, "reset", lambda env: (env.reset(task_idx), env.reset_fields()))
-        self._set_playing(env_id, True)
+        observation, fields = await self._call(env_id, "reset", lambda env: (env.reset(task_idx), env.reset_fields()),
+                                               playing=lambda _: True)
         return web.json_response({"id": env_id, "observation": observation, "reward": 0.0, "done": False, **fields})
 
     async def step(self, request: web.Request) -> web.Response:
@@ -211,8 +220,7 @@ class EnvServer:
         env_id, action = self._int(body, "id"), body.get("action")
         if not isinstance(action, str):
             raise RequestError(400, f"field 'action' must be a string, got {action!r}")
-        result = await self._call(env_id, "step", lambda env: env.step(action))
-        self._set_playing(env_id, not result.done)
+        result = await self._call(env_id, "step", lambda env: env.step(action), playing=lambda r: not r.done)
         self.stats["steps"] += 1
         return web.json_response({"observation": result.observation, "reward": result.reward,
                                   "done": result.done, **result.info})
@@ -227,28 +235,15 @@ class EnvServer:
         env_id = self._query_id(request)
         return web.json_response(await self._call(env_id, "observation", lambda env: env.observation()))
 
-    def _set_playing(self, env_id: int, playing: bool) -> None:
-        inst = self.instances.get(env_id)  # closed by another request since its call: nothing to mark
-        if inst is not None:
-            inst.playing = playing
-
-    def _playing(self, request: web.Request, what: str) -> int:
-        """The id of an env with an episode under way: an action of the oracle or the random
-        policy means nothing before a reset or after the end (409, as a step then is)."""
-        env_id = self._query_id(request)
-        if not self._instance(env_id).playing:
-            raise RequestError(409, f"env {env_id} has no episode under way (reset it first; a finished one has "
-                                    f"no next action): no {what} action")
-        return env_id
-
     async def oracle(self, request: web.Request) -> web.Response:
-        env_id = self._playing(request, "oracle")
-        return web.json_response({"action": await self._call(env_id, "oracle", lambda env: env.oracle_action())})
+        action = await self._call(self._query_id(request), "oracle", lambda env: env.oracle_action(), in_episode=True)
+        return web.json_response({"action": action})
 
     async def random(self, request: web.Request) -> web.Response:
-        env_id = self._playing(request, "random")
         rng = self._rng
-        return web.json_response({"action": await self._call(env_id, "random", lambda env: env.random_action(rng))})
+        action = await self._call(self._query_id(request), "random", lambda env: env.random_action(rng),
+                                  in_episode=True)
+        return web.json_response({"action": action})
 
     async def close(self, request: web.Request) -> web.Response:
         env_id = self._int(await self._body(request), "id")

@@ -238,6 +238,19 @@ def test_oracle_and_random_actions_over_http():
         assert env_id in server.instances and server.stats["failed"] == 0
         await client.reset(env_id, 8)  # the next episode of the same instance
         assert await client.oracle_action(env_id)
+
+        # An oracle call that waits for the instance while a step ends the episode is refused
+        # too: the check is made under the instance's lock (it was made before, and the oracle
+        # then crashed on the finished env).
+        await client.step(env_id, await client.oracle_action(env_id))
+        env, server.inline = server.instances[env_id].env, False  # calls in a worker thread
+        step = env.step
+        env.step = lambda action: (time.sleep(0.3), step(action))[1]
+        last = asyncio.create_task(client.step(env_id, await client.oracle_action(env_id)))
+        await asyncio.sleep(0.1)  # the step holds the instance
+        with pytest.raises(EnvError, match="409.*no episode under way"):
+            await client.oracle_action(env_id)
+        assert (await last).done and env_id in server.instances and server.stats["failed"] == 0
     with_server(scenario)
 
 
