@@ -116,11 +116,13 @@ def load_causal_lm(path_or_id: str, dtype: str = "float32"):
 
 
 def save_policy(model, tokenizer_from: str, out: str | Path, state_dict: dict | None = None,
-                files: dict[str, str] | None = None) -> Path:
+                files: dict[str, str] | None = None, keep_others: bool = False) -> Path:
     """`model` (with `state_dict`'s weights when given) and the tokenizer of `tokenizer_from`,
     written with save_pretrained (what transformers and vLLM load), with `files` (name -> text)
     beside them. Whole or not at all (common/files.py): a process that dies while writing leaves
-    the earlier `out` (or none), never a half-written model that a reader loads."""
+    the earlier `out` (or none), never a half-written model that a reader loads. `keep_others`:
+    what `out` already holds that the model does not write (`omrl sft`'s metrics and plots
+    there) is copied into the new directory before it replaces the old one."""
     import shutil
 
     from transformers import AutoTokenizer
@@ -134,6 +136,9 @@ def save_policy(model, tokenizer_from: str, out: str | Path, state_dict: dict | 
         AutoTokenizer.from_pretrained(tokenizer_from).save_pretrained(tmp)
         for name, text in (files or {}).items():
             (tmp / name).write_text(text)
+        for entry in out.iterdir() if keep_others and out.is_dir() else ():
+            if not (tmp / entry.name).exists():
+                (shutil.copytree if entry.is_dir() else shutil.copy2)(entry, tmp / entry.name)
         replace_dir(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

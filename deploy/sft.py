@@ -154,7 +154,7 @@ async def fine_tune(cfg: Config, data: list[str], out: Path) -> Path:
                 sink.write(row)
                 log.info("step %d: held-out loss %.4f, success %s", step, row.get("sft/heldout_loss", float("nan")),
                          f"{row['eval/success']:.3f}" if "eval/success" in row else "-")
-    save_policy(model, cfg.model.path, out, trainer.state_dict())
+    save_policy(model, cfg.model.path, out, trainer.state_dict(), keep_others=True)  # the metrics written there
     _plot(out)
     log.info("wrote %s in %.0f s", out, time.monotonic() - started)
     return out

@@ -37,6 +37,12 @@ def test_a_model_directory_is_replaced_whole_and_a_failed_write_leaves_the_old_o
         model.lm_head.weight.add_(1.0)
     save_policy(model, tiny_model, out)
     assert "note.json" not in _files(out)  # replaced whole, not written over
+    # `omrl sft` writes its metrics (a file, a folder) where its model goes: they are kept.
+    (out / "sft_metrics.jsonl").write_text('{"step": 1}\n')
+    (out / "tensorboard").mkdir()
+    (out / "tensorboard" / "events").write_bytes(b"e")
+    save_policy(model, tiny_model, out, keep_others=True)
+    assert (out / "sft_metrics.jsonl").read_text() == '{"step": 1}\n' and (out / "tensorboard" / "events").exists()
     reloaded = AutoModelForCausalLM.from_pretrained(out)
     assert torch.equal(reloaded.lm_head.weight, model.lm_head.weight)
     assert [p.name for p in tmp_path.iterdir()] == ["final"]
