@@ -45,6 +45,8 @@ from envs.base import Env, make_env
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 BODY = web.RequestKey("omrl_body", dict)  # a request's JSON body, parsed once
+BODY_TIMEOUT_S = 30.0  # a request's body must arrive within this (else 408)
+KEEPALIVE_S = 75.0  # a connection idle, or still sending its request's head, this long is closed
 
 
 class RequestError(Exception):
@@ -104,7 +106,10 @@ class EnvServer:
         reads it first)."""
         if BODY in request:
             return request[BODY]
-        raw = await request.read()
+        try:  # a client that sends its body slowly holds a request open this long, no longer
+            raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+        except TimeoutError:
+            raise RequestError(408, f"the request's body did not arrive within {BODY_TIMEOUT_S:g}s") from None
         if not raw:
             body = {}
         else:
@@ -288,10 +293,16 @@ class EnvServer:
         return app
 
 
+def runner_for(app: web.Application) -> web.AppRunner:
+    """The runner of an env server's app: a connection idle (or still sending its request's
+    head) for KEEPALIVE_S is closed, so slow or silent clients hold no connection for long."""
+    return web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S)
+
+
 async def serve(server: EnvServer, host: str, port: int) -> web.AppRunner:
     """Start serving `server` (an EnvServer, or envs.workers.WorkerPool: whatever has `app()`)
     in the running loop; returns the runner (call `await runner.cleanup()`)."""
-    runner = web.AppRunner(server.app(), access_log=None)
+    runner = runner_for(server.app())
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner

@@ -39,7 +39,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from envs.server import EnvServer, RequestError
+from envs.server import EnvServer, RequestError, runner_for
 
 log = logging.getLogger(__name__)
 
@@ -186,7 +186,7 @@ def _worker_main(env_name: str, options: dict[str, Any], worker: int, ports: lis
     async def main() -> None:
         try:
             loads[worker] = 0  # a worker started again holds nothing
-            runner = web.AppRunner(WorkerServer(env_name, options, worker, ports, host, loads).app(), access_log=None)
+            runner = runner_for(WorkerServer(env_name, options, worker, ports, host, loads).app())
             await runner.setup()
             await web.TCPSite(runner, host, ports[worker]).start()
             pipe.send(None)

@@ -1,6 +1,7 @@
 """The env server and the async client over real HTTP on a loopback port."""
 
 import asyncio
+import json
 import time
 
 import aiohttp
@@ -278,4 +279,45 @@ def test_an_instance_left_in_order_is_reset_for_the_next_episode_and_one_gone_is
         one, _ = await client.start(7)
         await client.finish(one, in_order=True)
         assert not client.kept and not server.envs and server.stats["created"] == 4
+    with_server(scenario)
+
+
+def test_slow_clients_are_cut_off_and_hold_up_no_one(monkeypatch):
+    """Slow clients (issue 30): a request head that never ends is closed once the connection's
+    keep-alive time passes; a body that never ends gets 408 in JSON after BODY_TIMEOUT_S; others
+    are served at once meanwhile."""
+    import envs.server as env_server
+
+    monkeypatch.setattr(env_server, "BODY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(env_server, "KEEPALIVE_S", 1.0)
+
+    async def scenario(client, session, port, server):
+        heads, bodies = [], []
+        for _ in range(20):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /create HTTP/1.1\r\nHost: envs\r\n")  # and nothing more
+            heads.append((reader, writer))
+        for _ in range(5):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /create HTTP/1.1\r\nHost: envs\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: 100\r\n\r\n{")  # 99 bytes short, for good
+            bodies.append((reader, writer))
+        started = time.monotonic()
+        env_id = await client.create()
+        await client.reset(env_id, 0)
+        assert time.monotonic() - started < 0.5  # served beside them
+        for reader, _ in bodies:
+            answer = b""
+            while b"}" not in answer:
+                chunk = await asyncio.wait_for(reader.read(4096), 5)
+                assert chunk, answer
+                answer += chunk
+            status, _, payload = answer.partition(b"\r\n\r\n")
+            assert status.startswith(b"HTTP/1.1 408") and "did not arrive within 1s" in json.loads(payload)["error"]
+        for reader, _ in heads:
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
+        assert time.monotonic() - started < 5
+        for _, writer in heads + bodies:
+            writer.close()
+        assert list(server.instances) == [env_id] and "1 created" in await client.health()
     with_server(scenario)
