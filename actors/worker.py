@@ -133,6 +133,11 @@ class Actor:
         if cfg.actor.gpu_by_index:
             pick_gpu(self.index, cfg.learner.ranks)
         if self.engine is None:
+            # The engine's start holds this loop for a minute or more: one heartbeat first, so that
+            # the learner reads this actor as starting, not dead, for up to supervisor.start_grace_s.
+            await self.retry.run("say it is starting", lambda: self.members.heartbeat(
+                self.name, role="actor", host=socket.gethostname(), pid=os.getpid(), index=self.index,
+                start=self.start, state="starting", quiet_s=cfg.supervisor.start_grace_s))
             self.engine = VLLMEngine(cfg.model, cfg.actor, cfg.model.path, seed=self.seed)
         self.tokenizer = self.engine.tokenizer
         # Until here a signal ends the process at once (it holds nothing); from here it drains.

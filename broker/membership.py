@@ -94,6 +94,7 @@ class Membership:
         for raw in (await self.client.hgetall(self.keys.members)).values():
             record = json.loads(raw)
             record["silent_s"] = now - record["last_seen"]
-            record["alive"] = record["silent_s"] <= dead_after_s
+            # A member may say it will be quiet longer (an actor starting its engine: `quiet_s`).
+            record["alive"] = record["silent_s"] <= max(dead_after_s, record.get("quiet_s", 0))
             out.append(record)
         return sorted(out, key=lambda r: r["id"])

@@ -81,7 +81,8 @@ def format_status(status: dict[str, Any]) -> str:
     members = [m for m in status["members"] if m.get("role", "actor") == "actor"]
     lines.append(f"actors: {sum(m['alive'] for m in members)} live, {sum(not m['alive'] for m in members)} dead")
     for m in members:
-        lines.append(f"  {m['id']:<32} {'live' if m['alive'] else 'DEAD'}  index {m.get('index')}  version {m.get('version')}  "
+        alive = m.get("state", "live") if m["alive"] else "DEAD"  # "starting": its engine's start
+        lines.append(f"  {m['id']:<32} {alive}  index {m.get('index')}  version {m.get('version')}  "
                      f"groups {m.get('groups')}  failed {m.get('groups_failed', 0)}  tokens/s {m.get('tokens_per_s')}  "
                      f"host {m.get('host')}")
     for m in (m for m in status["members"] if m.get("role") == "evaluator"):

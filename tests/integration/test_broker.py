@@ -266,10 +266,13 @@ def test_membership_reports_dead_members(redis_server_url, run_name):
         members = Membership(client, Keys(run_name))
         await members.heartbeat("a1", host="h", version=3)
         await members.heartbeat("a2", host="h", version=2)
+        await members.heartbeat("a3", host="h", state="starting", quiet_s=60)  # its engine's start is long
         await asyncio.sleep(1.5)  # margins a loaded machine keeps: a1 1.5 s silent, a2 read within 1 s of its beat
         await members.heartbeat("a2", host="h", version=4)
         got = {m["id"]: m for m in await members.members(dead_after_s=1.0)}
         assert not got["a1"]["alive"] and got["a2"]["alive"] and got["a2"]["version"] == 4
+        assert got["a3"]["alive"] and got["a3"]["state"] == "starting"
+        await members.leave("a3")
         await members.leave("a1")
         assert [m["id"] for m in await members.members(dead_after_s=10)] == ["a2"]
         await client.aclose()
