@@ -50,6 +50,7 @@ def test_replays_agentgym_servers_answers(server):
 
 @pytest.mark.slow
 def test_oracle_solves_held_out_tasks_through_our_client(server):
-    result = oracle_eval("sciworld", server, 20, "actor.max_turns=80", "actor.max_seq_len=1000000", timeout=900)
-    assert result["episodes"] == 20 and result["success"] >= 0.9, result
+    # 8 tasks (the oracle solved the first 40 in `omrl eval`: docs/results/envs.md); 20 took 6 min of the suite.
+    result = oracle_eval("sciworld", server, 8, "actor.max_turns=80", "actor.max_seq_len=1000000", timeout=900)
+    assert result["episodes"] == 8 and result["success"] >= 0.85, result
     assert http_json("GET", server + "/stats")[1]["failed"] == 0
