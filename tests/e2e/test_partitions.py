@@ -71,8 +71,9 @@ def test_a_run_rides_out_a_partition_from_redis_and_one_from_the_env_server(tmp_
                 during = steps()
                 link.heal()
                 print(f"healed it at step {during}", flush=True)
-                # The cut is real: the learner trains what was already on its side of it, little more.
-                assert during - at <= 4, (name, at, during)
+                # The cut is real: the learner trains what was already on its side of it (its queue,
+                # two steps; for the env, the streams' two more), not the 40-odd steps of 40 s.
+                assert during - at <= 6, (name, at, during)
                 wait_for_step(during + 3)  # it goes on by itself
             assert proc.wait(600) == 0, _tail(out)
     finally:
