@@ -136,8 +136,7 @@ class Actor:
             # The engine's start holds this loop for a minute or more: one heartbeat first, so that
             # the learner reads this actor as starting, not dead, for up to supervisor.start_grace_s.
             await self.retry.run("say it is starting", lambda: self.members.heartbeat(
-                self.name, role="actor", host=socket.gethostname(), pid=os.getpid(), index=self.index,
-                start=self.start, state="starting", quiet_s=cfg.supervisor.start_grace_s))
+                self.name, **self._member_info(version=-1), state="starting", quiet_s=cfg.supervisor.start_grace_s))
             self.engine = VLLMEngine(cfg.model, cfg.actor, cfg.model.path, seed=self.seed)
         self.tokenizer = self.engine.tokenizer
         # Until here a signal ends the process at once (it holds nothing); from here it drains.
@@ -310,16 +309,18 @@ class Actor:
         except (TimeoutError, *REDIS_TRANSIENT) as exc:
             log.warning("could not return ticket %s (%s): it comes back when it expires", ticket, exc)
 
+    def _member_info(self, version: int) -> dict:
+        """What each heartbeat says of this actor (`omrl status`, the learner's janitor)."""
+        return dict(role="actor", host=socket.gethostname(), pid=os.getpid(), index=self.index, start=self.start,
+                    seed=self.seed, version=version, groups=self.groups, groups_failed=sum(self.failed.values()),
+                    tokens_per_s=round(self._tokens_per_s, 1))
+
     async def _heartbeat(self) -> None:
         """Heartbeats also renew the tickets this actor holds: running groups and groups
         waiting in the producer's buffer."""
         while not self.stop.is_set():
             try:
-                await self.members.heartbeat(self.name, role="actor", host=socket.gethostname(), pid=os.getpid(),
-                                             index=self.index, start=self.start, seed=self.seed,
-                                             version=self.gate.version, groups=self.groups,
-                                             groups_failed=sum(self.failed.values()),
-                                             tokens_per_s=round(self._tokens_per_s, 1))
+                await self.members.heartbeat(self.name, **self._member_info(self.gate.version))
                 await self.admission.renew(sorted((self.running - self.asking) | self.producer.tickets))
                 await self.members.renew_slot(self.name)
             except REDIS_TRANSIENT as exc:  # a missed heartbeat is not worth stopping for
