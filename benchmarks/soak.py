@@ -29,6 +29,7 @@ import tomllib
 from pathlib import Path
 
 from benchmarks.common import pyplot, spread
+from common.metrics import last_step
 from common.progress import Progress
 
 SAMPLE_S = 10.0
@@ -74,8 +75,7 @@ def sample_run(supervisor: int, run_dir: Path) -> dict:
     for leader, role in leaders.items():
         members = [pid for pid, (_, pgrp) in table.items() if pgrp == leader]
         groups[role] = _usage(members)
-    out = {"processes": groups, "redis": _redis(run_dir), "disk_mb": _du(run_dir) / 2**20, "steps": _steps(run_dir)}
-    return out
+    return {"processes": groups, "redis": _redis(run_dir), "disk_mb": _du(run_dir) / 2**20, "steps": last_step(run_dir)}
 
 
 def _proc_table() -> dict[int, tuple[int, int]]:
@@ -158,13 +158,6 @@ def _du(path: Path) -> int:
             except OSError:
                 pass
     return total
-
-
-def _steps(run_dir: Path) -> int:
-    from common.metrics import read_jsonl
-
-    path = run_dir / "metrics.jsonl"
-    return max((r["step"] for r in read_jsonl(path)), default=0) if path.exists() else 0
 
 
 def series(samples: list[dict]) -> dict[str, list[tuple[float, float]]]:

@@ -96,6 +96,12 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines]
 
 
+def last_step(run_dir: str | Path) -> int:
+    """The newest step a run's learner recorded in RUN_DIR/metrics.jsonl (0 before its first)."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return max((r["step"] for r in read_jsonl(path)), default=0) if path.exists() else 0
+
+
 def scalars(record: dict[str, Any]) -> dict[str, float]:
     """The record's finite numbers, the step and the wall time left out (the sinks take those
     apart); lists (group ids, histograms) and text stay in the JSONL."""

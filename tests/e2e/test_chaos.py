@@ -31,7 +31,7 @@ from broker.connection import connect
 from broker.embedded import EmbeddedRedis, find_redis_server
 from broker.keys import Keys
 from common.messages import decode_group
-from common.metrics import read_jsonl
+from common.metrics import last_step, read_jsonl
 from tests.budget import patience
 from tests.e2e.test_omrl_run import cmdline, processes_mentioning
 
@@ -59,8 +59,7 @@ class ChaosRun:
         return Path(self.out.name).read_text(errors="replace")
 
     def steps(self) -> int:
-        path = self.run_dir / "metrics.jsonl"
-        return max((r["step"] for r in read_jsonl(path)), default=0) if path.exists() else 0
+        return last_step(self.run_dir)
 
     def wait(self, condition, what: str, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from broker.embedded import EmbeddedRedis, find_redis_server, free_port
-from common.metrics import read_jsonl
+from common.metrics import last_step, read_jsonl
 from common.retry import wait_http
 from tests.budget import patience
 from tests.e2e.test_omrl_run import processes_mentioning
@@ -50,8 +50,7 @@ def test_a_run_rides_out_a_partition_from_redis_and_one_from_the_env_server(tmp_
                 stdout=out, stderr=subprocess.STDOUT, text=True)
 
             def steps() -> int:
-                path = run_dir / "metrics.jsonl"
-                return max((r["step"] for r in read_jsonl(path)), default=0) if path.exists() else 0
+                return last_step(run_dir)
 
             def wait_for_step(step: int, timeout: float = 300) -> None:
                 deadline = time.monotonic() + timeout
