@@ -94,7 +94,7 @@ async def _measure(url: str, count: int, repeats: int, tensors: int, bucket: int
 
     run_name = f"fanout-{uuid.uuid4().hex[:8]}"
     sender = BroadcastSender("127.0.0.1", 0, WeightsConfig().timeout_s)
-    client = connect(url, blocking=True)
+    client = connect(url)
     store = WeightStore(client, Keys(run_name))
     procs = [subprocess.Popen([sys.executable, "-m", "benchmarks.fanout", "--receiver", url, run_name, str(i)])
              for i in range(count)]

@@ -56,7 +56,7 @@ def main(args: argparse.Namespace) -> int:
     for name in names:
         module = importlib.import_module({**BENCHMARKS, **BY_NAME_ONLY}[name])
         started = time.monotonic()
-        result = module.run(args.quick, args.device, **({"minutes": args.minutes} if name in BY_NAME_ONLY else {}))
+        result = module.run(args.quick, args.device, **({"minutes": args.minutes, "out": out} if name in BY_NAME_ONLY else {}))
         result.update(name=name, quick=args.quick, device=args.device, seconds=time.monotonic() - started, machine=machine())
         (out / f"{name}.json").write_text(json.dumps(result, indent=2) + "\n")
         module.plot(result, out / f"{name}.png")

@@ -18,6 +18,7 @@ Not in `omrl bench all` (it takes its minutes whatever `--quick` says of the oth
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import statistics
@@ -36,7 +37,9 @@ SAMPLE_S = 10.0
 STEPS = 10**9  # the run goes on until the soak stops it
 
 
-def run(quick: bool, device: str, minutes: float | None = None) -> dict:
+def run(quick: bool, device: str, minutes: float | None = None, out: Path | None = None) -> dict:
+    """The soak's samples also go to OUT/soak.samples.jsonl as they are taken, so a soak cut
+    short still leaves them; Ctrl-C ends it early, with the figures of what it sampled."""
     minutes = minutes or (10.0 if quick else 120.0)
     with tempfile.TemporaryDirectory(prefix="omrl-soak-") as root:
         run_dir = Path(root) / "run"
@@ -44,7 +47,9 @@ def run(quick: bool, device: str, minutes: float | None = None) -> dict:
         proc = subprocess.Popen([sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir), "--steps",
                                  str(STEPS)], stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         samples: list[dict] = []
+        kept = open(Path(out) / "soak.samples.jsonl", "w") if out else None
         started = time.monotonic()
+        stopped_early = False
         bar = Progress(int(minutes * 60 / SAMPLE_S), f"soak, {minutes:g} min", "samples")
         try:
             while time.monotonic() - started < minutes * 60:
@@ -53,9 +58,16 @@ def run(quick: bool, device: str, minutes: float | None = None) -> dict:
                                        f"{proc.returncode}: {Path(log.name).read_text()[-3000:]}")
                 sample = {"t": time.monotonic() - started, **sample_run(proc.pid, run_dir)}
                 samples.append(sample)
+                if kept:
+                    kept.write(json.dumps(sample) + "\n")
+                    kept.flush()
                 bar.update(note=f"step {sample['steps']}")
                 time.sleep(max(0.0, SAMPLE_S - (time.monotonic() - started - sample["t"])))
+        except KeyboardInterrupt:
+            stopped_early = True
         finally:
+            if kept:
+                kept.close()
             bar.close()
             proc.send_signal(signal.SIGINT)
             try:
@@ -64,7 +76,8 @@ def run(quick: bool, device: str, minutes: float | None = None) -> dict:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
             log.close()
-    return {"minutes": minutes, "sample_s": SAMPLE_S, "samples": samples, "rows": rows(samples)}
+    return {"minutes": minutes, "sample_s": SAMPLE_S, "stopped_early": stopped_early, "samples": samples,
+            "rows": rows(samples)}
 
 
 def sample_run(supervisor: int, run_dir: Path) -> dict:
@@ -195,6 +208,7 @@ def rows(samples: list[dict]) -> list[dict]:
 def plot(result: dict, path: Path) -> None:
     plt = pyplot()
     data = series(result["samples"])
+    minutes = result["samples"][-1]["t"] / 60 if result["samples"] else result["minutes"]  # less where cut short
     panels = [("resident memory, MB", "rss_mb"), ("open files", "files"), ("threads", "threads"),
               ("Redis", None), ("run dir MB and steps / 1000", None)]
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 2.6 * len(panels)), sharex=True)
@@ -210,9 +224,9 @@ def plot(result: dict, path: Path) -> None:
             ax.plot([t / 60 for t, _ in pts], [v for _, v in pts], label=name)
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7, ncol=3)
-        ax.axvspan(0, 0.1 * result["minutes"], color="grey", alpha=0.15)  # the start, not judged
+        ax.axvspan(0, 0.1 * minutes, color="grey", alpha=0.15)  # the start, not judged
     axes[-1].set_xlabel("minutes")
-    fig.suptitle(f"omrl bench soak: a default run for {result['minutes']:g} minutes", fontsize=10)
+    fig.suptitle(f"omrl bench soak: a default run for {minutes:.0f} minutes", fontsize=10)
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)

@@ -234,7 +234,7 @@ async def _receiver(args: argparse.Namespace) -> None:
     actor = ActorConfig()
     engine = VLLMEngine(ModelConfig(path=args.model, dtype="float32"), actor, args.model, seed=args.index)
     # BLPOP, RPUSH, the baseline's GET, the receiver's own (as actors/worker.py)
-    control, reports, raw, weights = connect(args.url, blocking=True), connect(args.url), connect(args.url), \
+    control, reports, raw, weights = connect(args.url), connect(args.url), connect(args.url), \
         connect(args.url)
     stop = asyncio.Event()
     spans: dict[str, tuple[float, float]] = {}  # of the update under way: fetch (or join), load
@@ -544,7 +544,7 @@ def measure_model(runner: asyncio.Runner, url: str, model: Model, actors: int, r
 
     run = f"w{uuid.uuid4().hex[:8]}"
     lists = _bench_keys(run)
-    client = connect(url, blocking=True)  # as learner/bridge.py; used on the runner's loop only
+    client = connect(url)  # as learner/bridge.py; used on the runner's loop only
     trainer = Trainer(load_causal_lm(model.path).to(device), LearnerConfig())
     sized = os.path.join(log_dir, "version.safetensors")
     trainer.save_weights(sized)

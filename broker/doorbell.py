@@ -24,6 +24,8 @@ from __future__ import annotations
 import asyncio
 import collections
 
+from broker.connection import SOCKET_TIMEOUT_S
+
 # A waiter tries again at least this often, rung or not: the last resort (the learner's janitor
 # rings every few seconds). Below the clients' 30 s socket timeout, which a BLPOP must not reach.
 FALLBACK_S = 20.0
@@ -59,8 +61,9 @@ class Doorbell:
     client's socket timeout."""
 
     def __init__(self, client, key: str, fallback_s: float = FALLBACK_S):
-        if fallback_s <= 0:
-            raise ValueError(f"a doorbell's fallback_s must be positive, not {fallback_s}")
+        if not 0 < fallback_s < SOCKET_TIMEOUT_S:
+            raise ValueError(f"a doorbell's fallback_s must be positive and below the Redis client's socket timeout "
+                             f"({SOCKET_TIMEOUT_S:g}s), not {fallback_s}")
         self.client, self.key, self.fallback_s = client, key, fallback_s
         self.rung = self.timed_out = 0  # wake-ups by a token, by the fallback
         self._waiters: collections.deque[asyncio.Future[bool]] = collections.deque()

@@ -7,7 +7,8 @@ same file (`python -m common.liveness PATH MAX_AGE_S`, exit 1 when stale).
 
 What counts as progress is each role's own: the env server's event loop turning; an actor's
 loop turning while its engine finishes generate calls (`WeightGate.stalled_s`); the
-learner's loop between steps and while it waits for groups. A process beats only once it
+learner's loop between steps and while it waits for groups; the embedded Redis's, answering
+the supervisor's PING (deploy/supervisor.py beats for it). A process beats only once it
 is up: the time before its first beat (vLLM's start, loading a model) is bounded by
 `supervisor.start_grace_s` instead.
 """
@@ -24,9 +25,9 @@ from pathlib import Path
 ENV = "OMRL_BEAT_FILE"
 
 
-def beat() -> None:
-    """Touch this process's beat file (nothing where OMRL_BEAT_FILE is unset)."""
-    path = os.environ.get(ENV)
+def beat(path: str | Path | None = None) -> None:
+    """Touch this process's beat file, or `path` (nothing where neither is set)."""
+    path = path or os.environ.get(ENV)
     if not path:
         return
     try:

@@ -3,9 +3,9 @@ the env server, N actor processes and the learner, all real processes on this ma
 
 The supervisor keeps the run alive: a process that exits is restarted (Redis on the same
 port with the same data), and so is one alive but making no progress (its beat file,
-common/liveness.py, older than `supervisor.hang_s`: killed first), after a backoff that
-doubles with each restart, within a budget
-per process (`supervisor.max_restarts` in any `supervisor.restart_window_s`); each restart
+common/liveness.py, older than `supervisor.hang_s`: killed first; the embedded Redis's beats
+are the PINGs it answers), after a backoff that doubles with each restart, within a budget per
+process (`supervisor.max_restarts` in any `supervisor.restart_window_s`); each restart
 is logged with the last lines of the process's log. The run stops when the learner
 finishes its steps (exit code 0), on Ctrl-C, or when a process has spent its budget, with
 a message that names it. Each child runs in its own process group, killed as a whole, so
@@ -32,7 +32,7 @@ from common.cli import config_from_args, log_config
 from common.config import Config, SupervisorConfig, dump_toml
 from common.files import write_atomic
 from common.liveness import ENV as BEAT_ENV
-from common.liveness import last_beat
+from common.liveness import beat, last_beat
 from common.logs import setup_logging
 from common.retry import wait_http
 
@@ -247,6 +247,23 @@ def _wait_redis(port: int) -> Callable[[Process], None]:
     return ready
 
 
+def _probe_redis(port: int, beat_path: Path, stop: threading.Event, every_s: float = 1.0) -> None:
+    """The embedded Redis's progress, for its beat file: each PING it answers within 2 s. A
+    thread of the supervisor's, until `stop`; a stopped or wedged Redis stops its beats."""
+    import redis as sync_redis
+
+    client = sync_redis.Redis(port=port, socket_timeout=2.0, socket_connect_timeout=2.0)
+    try:
+        while not stop.wait(every_s):
+            try:
+                client.ping()
+            except sync_redis.RedisError:
+                continue  # down, starting or hung: no beat
+            beat(beat_path)
+    finally:
+        client.close()
+
+
 def prepare(cfg: Config) -> Config:
     """Fill in what the embedded default provides: the tiny model, the env port, the weights' directory."""
     from broker.embedded import free_port
@@ -323,6 +340,7 @@ def run(args: argparse.Namespace) -> int:
     supervisor: Supervisor | None = None
     outcome: int | None = None
     plotting: threading.Thread | None = None
+    probing = threading.Event()  # set: the Redis probe stops
     try:
         if not cfg.redis.url:
             from broker.embedded import EmbeddedRedis, free_port
@@ -330,8 +348,11 @@ def run(args: argparse.Namespace) -> int:
             durable = cfg.redis.embedded_aof != "off"
             server = EmbeddedRedis(port=free_port(), appendonly=durable, data_dir=str((run_dir / "redis").resolve()),
                                    extra_args=["--appendfsync", cfg.redis.embedded_aof] if durable else [])
-            redis = Process("redis", server.command(), logs / "redis.log", ready=_wait_redis(server.port))
+            redis = Process("redis", server.command(), logs / "redis.log", ready=_wait_redis(server.port),
+                            beat_path=beats / "redis")
             redis.start()
+            threading.Thread(target=_probe_redis, args=(server.port, beats / "redis", probing), name="redis-probe",
+                             daemon=True).start()
             if not redis.alive():
                 raise SystemExit(f"error: redis-server {describe_exit(redis.returncode)}:\n{redis.tail()}")
             cfg.redis.url = server.url
@@ -391,6 +412,7 @@ def run(args: argparse.Namespace) -> int:
         if cfg.redis.url and (redis is None or redis.alive()):
             _report(cfg, run_dir)
         if redis is not None:
+            probing.set()
             redis.stop()
         if plotting is not None:
             plotting.join(timeout=60)

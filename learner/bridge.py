@@ -59,7 +59,7 @@ class BrokerBridge:
         self.queue: queue.Queue[Delivery] = queue.Queue(maxsize=queue_size)
         self.read_count = read_count
         self.retry = RetryPolicy(attempts=cfg.retry_attempts)
-        self.client = connect(cfg, blocking=True)
+        self.client = connect(cfg)
         self.consumers = [RolloutConsumer(self.client, self.keys, consumer, shard, cfg.max_stream_len)
                           for shard in range(cfg.shards)]
         self.store = WeightStore(self.client, self.keys, keep=keep_versions, chunk_bytes=chunk_bytes,

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -61,7 +62,8 @@ def default_run(tmp_path_factory) -> SimpleNamespace:
             if (run_dir / "metrics.png").exists() and proc.poll() is None:
                 live_plots.add((run_dir / "metrics.png").stat().st_mtime)
             evaluator_log = run_dir / "logs" / "evaluator.log"
-            if evaluator_killed_at is None and evaluator_log.exists() and "evaluation at version 0" in evaluator_log.read_text():
+            evaluated = evaluator_log.exists() and re.search(r"evaluation at version \d+ on", evaluator_log.read_text())
+            if evaluator_killed_at is None and evaluated:
                 # As soon as its first evaluation is out: a restarted vLLM engine takes minutes on 2 busy cores.
                 steps = sum(1 for _ in open(run_dir / "metrics.jsonl")) if (run_dir / "metrics.jsonl").exists() else 0
                 pids = set(processes_mentioning("--evaluator")) & set(processes_mentioning(str(run_dir)))
@@ -135,11 +137,14 @@ def test_default_run_learns_and_actors_apply_new_weights(default_run):
         assert {t["role"] for k in episodes for t in k["turns"]} == {"prompt", "model", "observation"}
     assert [s for s, _text in tensorboard_text(run_dir / "tensorboard", "samples/best")] == kept_steps
     # The evaluator's evaluations, each on one version, reached the learner's step records: its
-    # first, at version 0; SIGKILLed just after it, it was restarted, evaluated the version it
-    # found and went on. The run never waited for it, and the actors evaluate nothing.
+    # first, at the first version it found (0 where its engine was up before the learner's first
+    # step, a few later on a busy machine: the run never waits for it); SIGKILLed just after it, it
+    # was restarted, evaluated the version it found and went on. The actors evaluate nothing.
     evals = [r for r in rows if "eval/reward" in r]
     versions = [r["eval/version"] for r in evals]
-    assert len(evals) >= 2 and versions[0] == 0 < versions[1] and versions == sorted(versions), versions
+    every = Config().learner.eval_every
+    assert len(evals) >= 2 and versions[0] < versions[1] and versions == sorted(versions), versions
+    assert len({v // every for v in versions}) == len(versions), versions  # one evaluation a slot, restart or not
     assert all(r["eval/last_version"] == r["eval/version"] for r in evals)
     assert default_run.evaluator_killed_at is not None and "evaluator was killed by SIGKILL; restart 1" in out
     assert all(r["eval/episodes"] == Config().learner.eval_tasks and 0 <= r["eval/success"] <= 1 for r in evals)

@@ -82,7 +82,7 @@ def test_env_failures_cost_groups_not_the_actor(redis_server_url, run_name, tiny
         runner = await serve(server, "127.0.0.1", env_port)
         actor = Actor(cfg, engine=engine)
         actor_task = asyncio.create_task(actor.run())
-        client = connect(redis_server_url, blocking=True)
+        client = connect(redis_server_url)
         store = WeightStore(client, keys, keep=1)
         consumer = RolloutConsumer(client, keys, "learner-0")
         await consumer.ensure_group()

@@ -150,7 +150,7 @@ def test_waiting_groups_are_woken_by_what_lets_them_in_not_by_polling(redis_serv
     B, fallback = 2, 20.0
 
     async def scenario():
-        client = connect(redis_server_url, blocking=True)
+        client = connect(redis_server_url)
         keys = Keys(run_name)
         admission = Admission(client, keys, groups_per_step=B, eta=0, fallback_s=fallback)
         await publish(client, keys, 0, 0)
@@ -203,7 +203,7 @@ def test_the_learners_janitor_wakes_groups_that_expired_tickets_let_in(redis_ser
     bridge = BrokerBridge(cfg, "learner-0", keep_versions=2, queue_size=4, read_count=2, admission=(B, eta)).start()
 
     async def scenario():
-        client = connect(redis_server_url, blocking=True)
+        client = connect(redis_server_url)
         keys = Keys(run_name)
         await publish(client, keys, 0, 0)
         dying = Admission(client, keys, B, eta, ticket_ttl_s=0.5)
@@ -242,7 +242,7 @@ def test_actors_dying_with_tickets_never_stall_the_learner(redis_server_url, run
     eta = k  # at least k - 1
 
     async def scenario():
-        client = connect(redis_server_url, blocking=True)
+        client = connect(redis_server_url)
         keys = Keys(run_name)
         store = WeightStore(client, keys)
         await store.publish(0, 0, b"w")

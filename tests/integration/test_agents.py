@@ -78,7 +78,7 @@ def run_actor(cfg, engine, groups: int, timeout: float = 60.0):
         runner = await serve(EnvServer(cfg.env.name), "127.0.0.1", cfg.env.port)
         actor = Actor(cfg, engine=engine)
         actor_task = asyncio.create_task(actor.run())
-        client = connect(cfg.redis.url, blocking=True)
+        client = connect(cfg.redis.url)
         store = WeightStore(client, keys, keep=1)
         consumer = RolloutConsumer(client, keys, "learner-0")
         await consumer.ensure_group()

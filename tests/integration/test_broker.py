@@ -21,7 +21,7 @@ class Setup:
     """A client, a producer with its flusher running, and consumer c1 of the learner group."""
 
     def __init__(self, url, run_name, max_len=100, shards=1):
-        self.client = connect(url, blocking=True)
+        self.client = connect(url)
         self.keys = Keys(run_name, shards)
         self.producer = RolloutProducer(self.client, self.keys, max_len, retry=RetryPolicy(attempts=3))
         self.consumer = RolloutConsumer(self.client, self.keys, "c1", max_len=max_len)

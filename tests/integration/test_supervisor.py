@@ -238,3 +238,60 @@ time.sleep(60)
     assert 2.0 <= took < 4.0, took  # one wait, not one a process
     assert all(p.returncode == 0 and "drained" in p.tail() for p in stopped)  # stopped, yet they heard it
     assert deaf.returncode == -signal.SIGKILL
+
+
+@pytest.mark.redis
+def test_a_stopped_redis_is_found_by_its_pings_and_replaced_and_a_call_to_it_times_out_naming_itself(
+        tmp_path, caplog, monkeypatch):
+    """The embedded Redis's beats are the PINGs it answers (the supervisor's probe): SIGSTOPped,
+    it stops answering, and it is killed and started again on its port with its data. Meanwhile
+    a client's call (socket timeout cut to 1 s here, 30 s by default) raises TimeoutError, which
+    the retry policy logs naming the call, and succeeds once Redis is back."""
+    import asyncio
+    import threading
+
+    from broker import connection
+    from broker.embedded import EmbeddedRedis
+    from broker.retry import RetryPolicy
+    from deploy.supervisor import _probe_redis, _wait_redis
+
+    monkeypatch.setattr(connection, "SOCKET_TIMEOUT_S", 1.0)
+    server = EmbeddedRedis(appendonly=True, data_dir=str(tmp_path), extra_args=["--appendfsync", "always"])
+    redis = Process("redis", server.command(), tmp_path / "redis.log", ready=_wait_redis(server.port),
+                    beat_path=tmp_path / "liveness" / "redis")
+    supervisor = Supervisor(SupervisorConfig(hang_s=1.5, start_grace_s=10, backoff_s=0.1, start_s=0), [redis], None)
+    stop = threading.Event()
+    redis.start()
+    threading.Thread(target=_probe_redis, args=(server.port, redis.beat_path, stop, 0.1), daemon=True).start()
+
+    async def calls() -> tuple[bytes, float]:
+        client = connection.connect(server.url)
+        try:
+            await client.set("k", b"kept")
+            first = redis.proc.pid
+            os.kill(first, signal.SIGSTOP)
+            stopped = time.monotonic()
+            value = await RetryPolicy(attempts=None, timeout_s=30).run("GET k", lambda: client.get("k"))
+            assert redis.proc.pid != first
+            return value, time.monotonic() - stopped
+        finally:
+            await client.aclose()
+
+    try:
+        assert run_until(supervisor, timeout=0.5) is None and redis.beat_path.exists()
+        done: list = []
+        caller = threading.Thread(target=lambda: done.append(asyncio.run(calls())))
+        with caplog.at_level(logging.INFO):
+            caller.start()
+            while caller.is_alive():
+                assert supervisor.check() is None
+                time.sleep(0.02)
+        value, waited = done[0]
+        assert value == b"kept" and redis.starts == 2  # the same port, the same append-only file
+        assert 1.5 <= waited < 10, waited
+        assert "redis made no progress for" in caplog.text
+        assert re.search(r"GET k failed \((Timeout|Connection)Error", caplog.text), caplog.text
+        assert "Timeout reading from" in caplog.text  # the stopped Redis's call ran out its socket timeout
+    finally:
+        stop.set()
+        stop_all([redis], timeout=5)
