@@ -43,6 +43,8 @@ COMMANDS: dict[str, Command] = {
     "env-server": Command("envs.__main__", "serve a built-in env over HTTP (AgentGym 'id' protocol)", role=True),
     "actor": Command("actors.__main__", "run one rollout actor", role=True),
     "learner": Command("learner.__main__", "run the learner", role=True),
+    "watch": Command("deploy.commands.watch",
+                     "run a role (actor, learner, env-server) and exit 1 when it stops making progress (containers)"),
     "doctor": Command("deploy.commands.doctor",
                       "check everything a run needs (model, Redis, env server, ports, run dir, GPU)"),
     "plan": Command("deploy.commands.plan",

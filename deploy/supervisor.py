@@ -55,6 +55,7 @@ class Process:
         self.hung: str | None = None  # why the supervisor killed this incarnation: it made no progress
         self.given_up = False
         self.proc: subprocess.Popen | None = None
+        self.teeing: threading.Thread | None = None  # with echo: copies its output until it closes
         self.restarts: deque[float] = deque()  # monotonic times of restarts
         self.restart_at: float | None = None
         self.started_at = 0.0
@@ -72,7 +73,8 @@ class Process:
             self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE if self.echo else out,
                                          stderr=subprocess.STDOUT, start_new_session=True, env=env)
         if self.echo:
-            threading.Thread(target=self._tee, args=(self.proc.stdout,), daemon=True).start()
+            self.teeing = threading.Thread(target=self._tee, args=(self.proc.stdout,), daemon=True)
+            self.teeing.start()
         self.starts += 1
         self.started_at = time.monotonic()
         if self.ready is not None:
