@@ -454,8 +454,9 @@ class SupervisorConfig(Section):
     """Lines of a process's log shown when it exits."""
     hang_s: float = Field(300.0, ge=0)
     """A process alive but making no progress this long (its beat file, common/liveness.py: the env
-    server's loop, an actor's engine finishing calls, the learner between steps) is killed and
-    restarted, and the log says so. Above the longest learner step and synchronous checkpoint. 0: off."""
+    server's loop, an actor's engine finishing calls, the learner between steps; Redis's answered
+    PINGs; an env worker's loop, to its parent) is killed and restarted, and the log says so.
+    Above the longest learner step and synchronous checkpoint. 0: off."""
     start_grace_s: float = Field(900.0, gt=0)
     """A process that has not yet made progress this long after a start (vLLM's start, loading the
     model) is taken as hung too."""

@@ -37,12 +37,13 @@ def beat(path: str | Path | None = None) -> None:
         Path(path).touch()
 
 
-async def beating(every_s: float = 1.0, progressing: Callable[[], bool] = lambda: True) -> None:
-    """A task of the process's event loop: beat every `every_s` while `progressing()` says so.
-    A blocked or stopped loop stops beating with it."""
+async def beating(every_s: float = 1.0, progressing: Callable[[], bool] = lambda: True,
+                  touch: Callable[[], None] = beat) -> None:
+    """A task of the process's event loop: beat (`touch`: the beat file) every `every_s` while
+    `progressing()` says so. A blocked or stopped loop stops beating with it."""
     while True:
         if progressing():
-            beat()
+            touch()
         await asyncio.sleep(every_s)
 
 

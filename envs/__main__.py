@@ -28,14 +28,15 @@ async def _serve(cfg) -> None:
         beats.cancel()
         await runner.cleanup()
         return
-    pool = WorkerPool(cfg.env.name, cfg.env.options, cfg.env.workers, cfg.env.host, cfg.env.port, cfg.run.log_level)
+    pool = WorkerPool(cfg.env.name, cfg.env.options, cfg.env.workers, cfg.env.host, cfg.env.port, cfg.run.log_level,
+                      hang_s=cfg.supervisor.hang_s)
     started = asyncio.Event()
     run, listening = asyncio.create_task(pool.run(stop, started)), asyncio.create_task(started.wait())
     await asyncio.wait([run, listening], return_when=asyncio.FIRST_COMPLETED)
     listening.cancel()  # (still waiting where the pool failed to start: `await run` raises why)
     if started.is_set():
         print(f"env server {where} ({cfg.env.workers} worker processes, ports {pool.ports})", flush=True)
-    beats = asyncio.create_task(beating())  # the pool's loop turns (a hung worker: not seen here)
+    beats = asyncio.create_task(beating())  # the pool's loop turns (a hung worker: the pool restarts it)
     try:
         await run
     finally:

@@ -19,10 +19,12 @@ refused connection, and the shared port serves that client from then on.
 Ports: with env.port P fixed, worker i's own is P + 1 + i (publish them all to reach them
 from outside a container); with P = 0 all are free ports picked at start.
 
-The parent process only supervises: a worker that dies is started again on its ports; its
-instances are gone (their requests answer 404, as after any restart: ids start at a random
-offset; 502 while it starts), so the episodes on it fail with a reason and the others go
-on. `/stats` on any port adds up every worker's counts.
+The parent process only supervises: a worker that dies is started again on its ports, and so
+is one whose event loop stops turning (it beats into memory the parent shares, once a second;
+no beat for `hang_s`, supervisor.hang_s: killed, then started again). Its instances are gone
+(their requests answer 404, as after any restart: ids start at a random offset; 502 while it
+starts), so the episodes on it fail with a reason and the others go on. `/stats` on any port
+adds up every worker's counts.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ import logging
 import multiprocessing
 import os
 import signal
+import time
 from typing import Any
 
 import aiohttp
@@ -175,10 +178,11 @@ class WorkerServer(EnvServer):
 
 
 def _worker_main(env_name: str, options: dict[str, Any], worker: int, ports: list[int], shared: int, host: str,
-                 log_level: str, loads, pipe) -> None:
+                 log_level: str, loads, beats, pipe) -> None:
     """A worker process: listen on its own port, say so on `pipe` (None, or the error that
     stopped it), then on the shared port once the parent says (every sibling is up by then:
     nothing is forwarded to one still starting); serve until SIGTERM."""
+    from common.liveness import beating
     from common.logs import setup_logging
 
     setup_logging(f"env-worker-{worker}", log_level)
@@ -196,10 +200,12 @@ def _worker_main(env_name: str, options: dict[str, Any], worker: int, ports: lis
             pipe.send(f"{type(exc).__name__}: {exc}")
             return
         pipe.send(None)
+        beats_task = asyncio.create_task(beating(touch=lambda: beats.__setitem__(worker, time.time())))
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
         await stop.wait()
+        beats_task.cancel()
         await runner.cleanup()
 
     asyncio.run(main())
@@ -209,7 +215,7 @@ class WorkerPool:
     """The parent of the workers: starts them, starts again those that die, stops them."""
 
     def __init__(self, env_name: str, options: dict[str, Any] | None, workers: int, host: str, port: int,
-                 log_level: str = "INFO"):
+                 log_level: str = "INFO", hang_s: float = 0.0):
         from broker.embedded import free_port
 
         if workers < 2:
@@ -222,14 +228,17 @@ class WorkerPool:
         self.restarts = [0] * workers
         self._ctx = multiprocessing.get_context("spawn")  # no fork of a process with threads and a loop
         self.loads = self._ctx.Array("q", workers, lock=False)  # each worker writes its own slot alone
+        self.beats = self._ctx.Array("d", workers, lock=False)  # time.time() of each worker's last beat (0: none)
+        self.hang_s = hang_s  # a worker with no beat this long is killed and started again (0: never)
 
     async def _start(self, worker: int) -> Any:
         """Start a worker and wait until it listens on its own port; its end of the pipe."""
         pipe, theirs = self._ctx.Pipe()
+        self.beats[worker] = 0.0  # its predecessor's last beat is not its own
         proc = self.procs[worker] = self._ctx.Process(
             target=_worker_main, name=f"env-worker-{worker}", daemon=True,
             args=(self.env_name, self.options, worker, self.ports, self.port, self.host, self.log_level, self.loads,
-                  theirs))
+                  self.beats, theirs))
         proc.start()
         theirs.close()
         await self._answer(worker, pipe, f"its port {self.ports[worker]}")
@@ -267,6 +276,12 @@ class WorkerPool:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), RESTART_CHECK_S)
                 for worker, proc in enumerate(self.procs):
+                    since = time.time() - self.beats[worker]
+                    if self.hang_s and proc is not None and proc.is_alive() and self.beats[worker] and since > self.hang_s:
+                        log.error("env worker %d made no progress for %.0fs (supervisor.hang_s = %g): killing it",
+                                  worker, since, self.hang_s)
+                        proc.kill()
+                        await asyncio.to_thread(proc.join)
                     if not stop.is_set() and proc is not None and not proc.is_alive():
                         log.warning("env worker %d exited with %s: starting it again (its %s envs are gone)",
                                     worker, proc.exitcode, self.env_name)

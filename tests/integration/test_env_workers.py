@@ -1,12 +1,14 @@
 """`omrl env-server --workers 2` as a real process tree: two worker processes behind one
 port, instances pinned to their worker, our client going straight to it, other clients
-forwarded, a killed worker costing its own episodes only."""
+forwarded, a killed worker costing its own episodes only, a hung one killed and started again."""
 
 import asyncio
 import os
+import random
 import signal
 import subprocess
 import sys
+import time
 
 import aiohttp
 import pytest
@@ -143,3 +145,47 @@ def test_workers_below_one_fail_at_start_naming_the_field():
     done = subprocess.run([sys.executable, "-m", "envs", "--env", "letters", "--workers", "0"],
                           capture_output=True, text=True, timeout=60)
     assert done.returncode != 0 and "env.workers" in done.stderr + done.stdout
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_hung_worker_is_killed_and_started_again_within_hang_s(seed):
+    """Worker 1 SIGSTOPped at a random moment (seed printed): its beats stop, and the parent
+    kills it supervisor.hang_s (here 2 s) after its last and starts it again; worker 0 serves
+    on, and so does the whole server afterwards."""
+    rng = random.Random(seed)
+    print(f"seed {seed}")
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "envs", "--env", "letters", "--port", str(port), "--workers", "2",
+                             "--set", "env.options.turns=3", "--set", "supervisor.hang_s=2"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    async def main():
+        async with aiohttp.ClientSession() as session:
+            client = EnvClient(f"http://127.0.0.1:{port}", session)
+            await asyncio.sleep(rng.uniform(0.5, 3.0))  # beating: left alone
+            workers = (await stats(session, port))["workers"]
+            assert all(w["up"] for w in workers), workers
+            stopped = workers[1]["pid"]
+            os.kill(stopped, signal.SIGSTOP)
+            at, created = time.monotonic(), []
+            while time.monotonic() - at < 20:
+                worker = (await stats(session, port))["workers"][1]
+                if worker["up"] and worker["pid"] != stopped:
+                    break
+                created.append(await client.create())  # worker 0 serves on (worker 1 again once back)
+            back = time.monotonic() - at
+            assert worker["up"] and worker["pid"] != stopped, worker
+            assert created and created[0] % 2 == 0, created
+            assert 1.0 <= back < 12, back  # 2 s after its last beat (up to 1 s before the stop), plus its start
+            assert [await episode(client, task) for task in range(4)] == [3] * 4
+            return stopped
+
+    try:
+        wait_http(f"http://127.0.0.1:{port}/", 60, proc.poll)
+        stopped = asyncio.run(main())
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
+    assert "env worker 1 made no progress for" in out and "supervisor.hang_s = 2" in out, out
+    assert not os.path.exists(f"/proc/{stopped}")
