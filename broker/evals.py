@@ -11,7 +11,22 @@ from typing import Any
 from broker.keys import Keys
 
 KEEP = 1000
-CLAIM_TTL_S = 7 * 24 * 3600  # a slot's claim outlives any evaluation of it; versions only go up
+# Claims of slots this far below a newly claimed one are dropped: evaluators claim the slot of
+# the newest version, and a learner resumed from its checkpoint goes back far less. One hash
+# of at most this many fields, however long the run (a key a slot grew without end: the soak).
+CLAIMS_KEPT = 1000
+
+# KEYS[1] the claims hash; ARGV slot, evaluator, CLAIMS_KEPT. 1: the slot is the evaluator's.
+_CLAIM_LUA = """
+local slot = tonumber(ARGV[1])
+if redis.call('HSETNX', KEYS[1], ARGV[1], ARGV[2]) == 1 then
+    for _, field in ipairs(redis.call('HKEYS', KEYS[1])) do
+        if tonumber(field) <= slot - tonumber(ARGV[3]) then redis.call('HDEL', KEYS[1], field) end
+    end
+    return 1
+end
+return redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] and 1 or 0
+"""
 
 
 async def claim_eval(client, keys: Keys, slot: int, evaluator: str) -> bool:
@@ -20,11 +35,8 @@ async def claim_eval(client, keys: Keys, slot: int, evaluator: str) -> bool:
     instead of each evaluating every one. A restarted evaluator (the same name: one a host or
     container) takes its predecessor's slot again, whose evaluation died with it, unless that
     evaluation was published (`finish_eval`)."""
-    key = keys.eval_claim(slot)
-    if await client.set(key, evaluator, nx=True, ex=CLAIM_TTL_S):
-        return True
-    holder = await client.get(key)
-    return holder is not None and (holder.decode() if isinstance(holder, bytes) else holder) == evaluator
+    taken = await client.eval(_CLAIM_LUA, 1, keys.eval_claims, slot, evaluator, CLAIMS_KEPT)
+    return bool(taken)
 
 
 async def finish_eval(client, keys: Keys, slot: int, evaluator: str, record: dict[str, Any]) -> None:
@@ -32,7 +44,7 @@ async def finish_eval(client, keys: Keys, slot: int, evaluator: str, record: dic
     evaluator, not even a restart of this one, plays that slot again."""
     async with client.pipeline(transaction=True) as pipe:
         pipe.xadd(keys.evals, {b"r": json.dumps(record)}, maxlen=KEEP, approximate=True)
-        pipe.set(keys.eval_claim(slot), f"{evaluator}:done", ex=CLAIM_TTL_S)
+        pipe.hset(keys.eval_claims, str(slot), f"{evaluator}:done")
         await pipe.execute()
 
 

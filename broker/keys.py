@@ -94,9 +94,11 @@ class Keys:
         """Stream of evaluation results on held-out tasks (one JSON record per evaluation)."""
         return f"{self.prefix}:eval"
 
-    def eval_claim(self, slot: int) -> str:
-        """String: the evaluator that took evaluation slot `slot` (versions slot * eval_every ...)."""
-        return f"{self.prefix}:eval:claim:{slot}"
+    @property
+    def eval_claims(self) -> str:
+        """Hash: evaluation slot (versions slot * eval_every ...) -> the evaluator that took it
+        (":done" once published); the newest broker.evals.CLAIMS_KEPT slots."""
+        return f"{self.prefix}:eval:claims"
 
     @property
     def members(self) -> str:

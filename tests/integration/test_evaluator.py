@@ -55,7 +55,7 @@ def test_scaled_out_evaluators_share_the_versions_each_slot_once(redis_server_ur
         await asyncio.wait_for(asyncio.gather(*loops), 30)
         records, _ = await read_evals(client, keys, "0")
         first_slot = min(r["version"] // EVERY for r in records)
-        holder = (await client.get(keys.eval_claim(first_slot))).decode()
+        holder = (await client.hget(keys.eval_claims, str(first_slot))).decode()
         claims = {"published, its claimer's successor": await claim_eval(client, keys, first_slot,
                                                                            holder.removesuffix(":done")),
                   "unpublished, first": await claim_eval(client, keys, 99, "host-c-evaluator"),
@@ -74,3 +74,27 @@ def test_scaled_out_evaluators_share_the_versions_each_slot_once(redis_server_ur
     assert holder in ("host-a-evaluator:done", "host-b-evaluator:done")
     assert claims == {"published, its claimer's successor": False, "unpublished, first": True,
                       "unpublished, its claimer's successor": True, "unpublished, another": False}
+
+
+def test_the_claims_stay_one_hash_of_the_newest_slots(redis_server_url, run_name, monkeypatch):
+    """A run of days claims a slot every eval_every versions: the claims are one hash that
+    keeps the newest CLAIMS_KEPT slots (3 here), not a key a slot."""
+    from broker import evals
+
+    monkeypatch.setattr(evals, "CLAIMS_KEPT", 3)
+
+    async def scenario() -> tuple[list[bytes], int, bool, bool]:
+        client, keys = connect(redis_server_url), Keys(run_name)
+        try:
+            for slot in range(10):
+                assert await claim_eval(client, keys, slot, "host-a-evaluator")
+            kept = sorted(await client.hkeys(keys.eval_claims), key=int)
+            stray = len([k async for k in client.scan_iter(f"{keys.prefix}:eval:*")])
+            return kept, stray, await claim_eval(client, keys, 9, "host-b-evaluator"), \
+                await claim_eval(client, keys, 9, "host-a-evaluator")
+        finally:
+            await client.aclose()
+
+    kept, stray, other, same = asyncio.run(scenario())
+    assert kept == [b"7", b"8", b"9"] and stray == 1  # the hash alone
+    assert not other and same  # a kept claim still holds: another is refused, a restart takes it again
