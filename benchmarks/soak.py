@@ -111,7 +111,7 @@ def _role(pid: int) -> str:
     except OSError:
         return f"pid{pid}"
     words = [w.decode(errors="replace") for w in cmd]
-    if any(w.endswith("redis-server") for w in words[:1]):
+    if "redis-server" in words[0]:  # Redis rewrites its title: "PATH/redis-server HOST:PORT", one word
         return "redis"
     if "envs" in words:
         return "env-server"
