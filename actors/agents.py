@@ -48,6 +48,7 @@ from actors.engine import Engine
 from actors.episode import Policy
 from actors.gateway import Gateway, Session
 from common.config import ActorConfig, Config
+from common.http import runner_for
 from common.logs import first_line
 from common.messages import Sample
 from envs.base import EpisodeError
@@ -135,7 +136,7 @@ async def serve_agents(cfg: Config, engine: Engine, policy: Policy, agent: Agent
     are the actors'. A client that leaves cancels its call's generation."""
     acfg = cfg.actor
     gateway = Gateway(engine, policy, acfg.max_seq_len, cfg.model.path)
-    runner = web.AppRunner(gateway.app(), access_log=None, handler_cancellation=True)
+    runner = runner_for(gateway.app(), handler_cancellation=True)
     await runner.setup()
     await web.TCPSite(runner, acfg.gateway_host, 0 if evaluator else acfg.gateway_port).start()
     host = socket.gethostname() if acfg.gateway_host in ("0.0.0.0", "::") else acfg.gateway_host

@@ -36,6 +36,8 @@ from aiohttp import web
 from actors.chat import text_encoder
 from actors.engine import Engine
 from actors.episode import Policy, TokenBuffer
+from common import http as limits
+from common.http import read_body
 from common.logs import first_line
 
 log = logging.getLogger(__name__)
@@ -226,7 +228,11 @@ class Gateway:
     @staticmethod
     async def _json(request: web.Request) -> dict[str, Any]:
         try:
-            body = await request.json()
+            raw = await read_body(request)
+        except TimeoutError:
+            raise GatewayError(408, f"the request's body did not arrive within {limits.BODY_TIMEOUT_S:g}s") from None
+        try:
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise GatewayError(400, "the request body is not JSON") from None
         if not isinstance(body, dict):

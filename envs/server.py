@@ -40,13 +40,13 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
+from common import http as limits
+from common.http import read_body, runner_for
 from envs.base import Env, make_env
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 BODY = web.RequestKey("omrl_body", dict)  # a request's JSON body, parsed once
-BODY_TIMEOUT_S = 30.0  # a request's body must arrive within this (else 408)
-KEEPALIVE_S = 75.0  # a connection idle, or still sending its request's head, this long is closed
 
 
 class RequestError(Exception):
@@ -107,9 +107,9 @@ class EnvServer:
         if BODY in request:
             return request[BODY]
         try:  # a client that sends its body slowly holds a request open this long, no longer
-            raw = await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+            raw = await read_body(request)
         except TimeoutError:
-            raise RequestError(408, f"the request's body did not arrive within {BODY_TIMEOUT_S:g}s") from None
+            raise RequestError(408, f"the request's body did not arrive within {limits.BODY_TIMEOUT_S:g}s") from None
         if not raw:
             body = {}
         else:
@@ -291,12 +291,6 @@ class EnvServer:
 
         app.cleanup_ctx.append(lifecycle)
         return app
-
-
-def runner_for(app: web.Application) -> web.AppRunner:
-    """The runner of an env server's app: a connection idle (or still sending its request's
-    head) for KEEPALIVE_S is closed, so slow or silent clients hold no connection for long."""
-    return web.AppRunner(app, access_log=None, keepalive_timeout=KEEPALIVE_S)
 
 
 async def serve(server: EnvServer, host: str, port: int) -> web.AppRunner:

@@ -42,7 +42,8 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from envs.server import EnvServer, RequestError, runner_for
+from common.http import runner_for
+from envs.server import EnvServer, RequestError
 
 log = logging.getLogger(__name__)
 

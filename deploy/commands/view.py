@@ -84,8 +84,10 @@ def _serve(application, host: str, port: int, ready) -> None:
 
     from aiohttp import web
 
+    from common.http import runner_for
+
     async def serve() -> None:
-        runner = web.AppRunner(application, access_log=None)
+        runner = runner_for(application)
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         ready(runner)

@@ -286,10 +286,10 @@ def test_slow_clients_are_cut_off_and_hold_up_no_one(monkeypatch):
     """Slow clients (issue 30): a request head that never ends is closed once the connection's
     keep-alive time passes; a body that never ends gets 408 in JSON after BODY_TIMEOUT_S; others
     are served at once meanwhile."""
-    import envs.server as env_server
+    from common import http
 
-    monkeypatch.setattr(env_server, "BODY_TIMEOUT_S", 1.0)
-    monkeypatch.setattr(env_server, "KEEPALIVE_S", 1.0)
+    monkeypatch.setattr(http, "BODY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(http, "KEEPALIVE_S", 1.0)
 
     async def scenario(client, session, port, server):
         heads, bodies = [], []

@@ -7,6 +7,7 @@ are known; the tokenizers are the character ones of tests/unit/test_chat.py."""
 
 import asyncio
 import json
+import time
 
 import aiohttp
 import pytest
@@ -17,6 +18,7 @@ from actors.episode import ModelPolicy
 from actors.gateway import Gateway
 from actors.weights import WeightGate
 from broker.embedded import free_port
+from common.http import runner_for
 from tests.unit.test_chat import chatml_tokenizer, qwen3_tokenizer
 
 openai = pytest.importorskip("openai")
@@ -54,7 +56,7 @@ def serve_gateway(tokenizer, replies: list[str], scenario, max_seq_len: int = 40
 
     async def main():
         gateway = Gateway(engine, ModelPolicy(engine, WeightGate(VERSION)), max_seq_len, "tiny")
-        runner = web.AppRunner(gateway.app())
+        runner = runner_for(gateway.app(), handler_cancellation=True)  # as actors/agents.py serves it
         await runner.setup()
         port = free_port()
         await web.TCPSite(runner, "127.0.0.1", port).start()
@@ -224,3 +226,45 @@ def test_bad_requests_get_openais_errors_and_change_nothing():
     assert errors["token out of vocabulary"][1]["param"] == "prompt" and errors["empty prompt"][1]["param"] == "prompt"
     assert len(engine.prompts) == 1 and session.rewards == [(0, 1.5)]  # no bad request reached the engine
     assert session.segments == [] and session.calls == 0  # nor the session: the failed call is not kept
+
+
+def test_slow_clients_get_408_or_are_closed_and_hold_up_no_one(monkeypatch):
+    """Slow clients (issue 30), as at the env server (common/http.py): a body that never ends
+    gets 408 in OpenAI's error shape after BODY_TIMEOUT_S, a head that never ends is closed
+    after KEEPALIVE_S, and a chat call is served beside them."""
+    from common import http
+
+    monkeypatch.setattr(http, "BODY_TIMEOUT_S", 1.0)
+    monkeypatch.setattr(http, "KEEPALIVE_S", 1.0)
+    tokenizer = chatml_tokenizer()
+
+    async def scenario(gateway, root, engine):
+        gateway.open("s5")
+        port = int(root.rsplit(":", 1)[1])
+        heads, bodies = [], []
+        for _ in range(5):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /sessions/s5/v1/chat/completions HTTP/1.1\r\nHost: gw\r\n")  # and nothing more
+            heads.append((reader, writer))
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /sessions/s5/v1/chat/completions HTTP/1.1\r\nHost: gw\r\n"
+                         b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")  # 99 bytes short
+            bodies.append((reader, writer))
+        started = time.monotonic()
+        reply = await client(root, "s5").chat.completions.create(model="tiny", messages=[{"role": "user", "content": "x"}])
+        assert reply.choices[0].message.content == "fine" and time.monotonic() - started < 0.9  # beside them
+        for reader, _ in bodies:
+            answer = b""
+            while not answer.endswith(b"}"):
+                chunk = await asyncio.wait_for(reader.read(4096), 5)
+                assert chunk, answer
+                answer += chunk
+            status, _, payload = answer.partition(b"\r\n\r\n")
+            assert status.startswith(b"HTTP/1.1 408"), status
+            assert "did not arrive within 1s" in json.loads(payload)["error"]["message"]
+        for reader, _ in heads:
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed
+        for _, writer in heads + bodies:
+            writer.close()
+
+    serve_gateway(tokenizer, ["fine"], scenario)
