@@ -22,7 +22,8 @@ from common.progress import Progress
 BENCHMARKS = {"broker": "benchmarks.broker", "pipeline": "benchmarks.pipeline", "weights": "benchmarks.weights",
               "engine": "benchmarks.engine", "learner": "benchmarks.learner", "memory": "benchmarks.memory",
               "shards": "benchmarks.shards", "fanout": "benchmarks.fanout", "env": "benchmarks.env",
-              "staleness": "benchmarks.staleness", "scale": "benchmarks.scale", "evaluator": "benchmarks.evaluator"}
+              "staleness": "benchmarks.staleness", "scale": "benchmarks.scale", "evaluator": "benchmarks.evaluator",
+              "fuzz": "benchmarks.fuzz"}
 # Run by name only, never by `all`: they take their minutes whatever --quick says of the others.
 BY_NAME_ONLY = {"soak": "benchmarks.soak"}
 
