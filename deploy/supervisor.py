@@ -38,6 +38,7 @@ from common.retry import wait_http
 
 log = logging.getLogger("omrl.run")
 STOP_TIMEOUT_S = 20.0
+PLOT_TIMEOUT_S = 300.0
 
 
 class Process:
@@ -439,13 +440,16 @@ def _report(cfg: Config, run_dir: Path) -> None:
 
 
 def _plot(run_dir: Path, quiet: bool = False) -> None:
-    """RUN_DIR/metrics.png from what metrics.jsonl holds now (while the run goes on: `quiet`)."""
-    from deploy.plots import plot_metrics
-
+    """RUN_DIR/metrics.png from what metrics.jsonl holds now (while the run goes on: `quiet`),
+    drawn by `omrl plot` in a process of its own: a supervisor that drew every few minutes
+    for hours grew by megabytes a plot (the soak, docs/results/benchmarks.md)."""
     try:
-        path = plot_metrics(run_dir / "metrics.jsonl", run_dir / "metrics.png")
-        (log.debug if quiet else log.info)("plots of reward, throughput and staleness: %s", path)
-    except ImportError:
-        (log.debug if quiet else log.info)("matplotlib is not installed: no plot written")
-    except Exception as exc:  # noqa: BLE001 - a plot must not hide how the run ended
-        log.warning("no plot written: %s: %s", type(exc).__name__, exc)
+        done = subprocess.run([sys.executable, "-m", "deploy.cli", "plot", str(run_dir)], capture_output=True,
+                              text=True, timeout=PLOT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        log.warning("no plot written: omrl plot took over %.0fs", PLOT_TIMEOUT_S)
+        return
+    if done.returncode == 0:
+        (log.debug if quiet else log.info)("plots of reward, throughput and staleness: %s", done.stdout.strip())
+    else:  # a plot must not hide how the run ended; matplotlib missing is said once, at the end
+        (log.debug if quiet else log.warning)("no plot written: %s", (done.stderr.strip() or "?").splitlines()[-1])
