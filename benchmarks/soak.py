@@ -10,7 +10,8 @@ every `SAMPLE_S` what would grow in a run of days:
 
 Each series' row compares its last tenth (the median of those samples) with its second tenth
 (the first is the start: engines warming up, the first checkpoints): the goal is every ratio
-within 0.95-1.05, or a growth the docs name and bound. Nothing is sampled from inside the
+within 0.95-1.05, or a growth the docs name and bound. `per_hour` is the series' least-squares
+slope after the first tenth, per hour: what a run of days would add. Nothing is sampled from inside the
 processes: /proc and Redis's INFO, as an operator would.
 
 Not in `omrl bench all` (it takes its minutes whatever `--quick` says of the others).
@@ -200,9 +201,18 @@ def rows(samples: list[dict]) -> list[dict]:
             continue
         base, now = statistics.median(second), statistics.median(last)
         ratio = now / base if base else (1.0 if now == base else float("inf"))
+        judged = [(t, v) for t, v in points if t >= 0.1 * end]
         out.append({"measure": f"{name} (last tenth / second tenth)", "system": now, "baseline": base,
-                    "ratio": spread([ratio])})
+                    "ratio": spread([ratio]), "per_hour": _slope(judged) * 3600})
     return out
+
+
+def _slope(points: list[tuple[float, float]]) -> float:
+    """The least-squares slope of value over time (per second); 0 for fewer than two times."""
+    ts = [t for t, _ in points]
+    if len(set(ts)) < 2:
+        return 0.0
+    return statistics.linear_regression(ts, [v for _, v in points]).slope
 
 
 def plot(result: dict, path: Path) -> None:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from benchmarks.soak import rows, sample_run
 
 
@@ -49,5 +51,7 @@ def test_rows_compare_the_last_tenth_with_the_second():
     by_measure = {r["measure"].split(" (")[0]: r for r in rows(samples)}
     assert by_measure["learner rss_mb"]["ratio"]["median"] == 1.0
     assert by_measure["redis keys"]["ratio"]["median"] > 4  # 104.5 against 24.5
+    assert by_measure["redis keys"]["per_hour"] == pytest.approx(3600)  # one a second
+    assert by_measure["learner rss_mb"]["per_hour"] == 0
     assert by_measure["run dir MB"]["ratio"]["median"] == 1.0 and "steps" not in by_measure
     assert rows([]) == []
