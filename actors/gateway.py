@@ -36,7 +36,6 @@ from aiohttp import web
 from actors.chat import text_encoder
 from actors.engine import Engine
 from actors.episode import Policy, TokenBuffer
-from common import http as limits
 from common.http import read_body
 from common.logs import first_line
 
@@ -229,8 +228,8 @@ class Gateway:
     async def _json(request: web.Request) -> dict[str, Any]:
         try:
             raw = await read_body(request)
-        except TimeoutError:
-            raise GatewayError(408, f"the request's body did not arrive within {limits.BODY_TIMEOUT_S:g}s") from None
+        except TimeoutError as exc:
+            raise GatewayError(408, str(exc)) from None
         try:
             body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError):

@@ -21,5 +21,9 @@ def runner_for(app: web.Application, **kwargs: Any) -> web.AppRunner:
 
 
 async def read_body(request: web.Request) -> bytes:
-    """The request's body; TimeoutError where it has not all arrived within BODY_TIMEOUT_S."""
-    return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    """The request's body; TimeoutError, saying so, where it has not all arrived within
+    BODY_TIMEOUT_S (each server answers 408 with that message)."""
+    try:
+        return await asyncio.wait_for(request.read(), BODY_TIMEOUT_S)
+    except TimeoutError:
+        raise TimeoutError(f"the request's body did not arrive within {BODY_TIMEOUT_S:g}s") from None

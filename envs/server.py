@@ -40,7 +40,6 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from common import http as limits
 from common.http import read_body, runner_for
 from envs.base import Env, make_env
 
@@ -108,8 +107,8 @@ class EnvServer:
             return request[BODY]
         try:  # a client that sends its body slowly holds a request open this long, no longer
             raw = await read_body(request)
-        except TimeoutError:
-            raise RequestError(408, f"the request's body did not arrive within {limits.BODY_TIMEOUT_S:g}s") from None
+        except TimeoutError as exc:
+            raise RequestError(408, str(exc)) from None
         if not raw:
             body = {}
         else:
