@@ -1,5 +1,8 @@
 """Evaluation on held-out tasks: a policy plays the test split, and the success rate and the
 mean reward come with 95% confidence intervals (Wilson for the rate, normal for the mean).
+With several episodes a task (`samples`, sampled rather than greedy), the success rate is
+pass@1 estimated over them, and its interval accounts for the clustering by task: the tasks,
+not the episodes, are the independent draws (the normal interval of the tasks' own rates).
 
 Policies: `model` (the engine, greedy by default), `oracle` and `random` (our env servers'
 /oracle and /random: the ceiling and the floor to read a model's figures against).
@@ -60,19 +63,24 @@ class EvalResult:
     reward_ci: tuple[float, float]
     invalid_action_frac: float
     turns: float
+    per_task: dict[int, float] | None = None  # each task's success rate, where it had several episodes
 
     @classmethod
-    def of(cls, env: str, policy: str, episodes: Sequence[Sequence[Sample]]) -> EvalResult:
-        """Each episode as its samples: the episode loop's one, or an agent's segments."""
+    def of(cls, env: str, policy: str, episodes: Sequence[Sequence[Sample]],
+           tasks: Sequence[int] | None = None) -> EvalResult:
+        """Each episode as its samples: the episode loop's one, or an agent's segments; `tasks`,
+        each episode's task, where a task had several (the interval is then clustered by task)."""
         n = len(episodes)
         wins = sum(e[0].success for e in episodes)
         rewards = [e[0].reward for e in episodes]
-        mean = sum(rewards) / n
-        sd = math.sqrt(sum((r - mean) ** 2 for r in rewards) / (n - 1)) if n > 1 else 0.0
-        half = Z95 * sd / math.sqrt(n)
+        mean, half = _mean_half(rewards)
         turns = sum(s.num_turns for e in episodes for s in e)
-        return cls(env, policy, n, wins / n, wilson(wins, n), mean, (mean - half, mean + half),
-                   sum(s.invalid_actions for e in episodes for s in e) / max(1, turns), turns / n)
+        success, success_ci, per_task = wins / n, wilson(wins, n), None
+        if tasks is not None and len(set(tasks)) < len(tasks):
+            per_task = task_rates(tasks, [e[0].success for e in episodes])
+            success, success_ci = clustered(per_task)
+        return cls(env, policy, n, success, success_ci, mean, (mean - half, mean + half),
+                   sum(s.invalid_actions for e in episodes for s in e) / max(1, turns), turns / n, per_task)
 
     def row(self) -> str:
         return (f"{self.env:<14} {self.policy:<7} {self.episodes:>8}  {self.success:5.3f} "
@@ -82,6 +90,29 @@ class EvalResult:
 
 TABLE_HEADER = (f"{'env':<14} {'policy':<7} {'episodes':>8}  {'success [95% CI]':<22} {'reward [95% CI]':<24} "
                 f"invalid")
+
+
+def _mean_half(values: Sequence[float]) -> tuple[float, float]:
+    """The mean and the half-width of its normal 95% interval."""
+    n = len(values)
+    mean = sum(values) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in values) / (n - 1)) if n > 1 else 0.0
+    return mean, Z95 * sd / math.sqrt(n)
+
+
+def task_rates(tasks: Sequence[int], successes: Sequence[bool]) -> dict[int, float]:
+    """Each task's success rate over its episodes."""
+    wins: dict[int, list[bool]] = {}
+    for task, success in zip(tasks, successes, strict=True):
+        wins.setdefault(task, []).append(bool(success))
+    return {task: sum(w) / len(w) for task, w in wins.items()}
+
+
+def clustered(per_task: dict[int, float]) -> tuple[float, tuple[float, float]]:
+    """pass@1 over tasks played several times each (the mean of their rates) and its 95%
+    interval with the tasks as the independent draws (clipped to [0, 1])."""
+    mean, half = _mean_half(list(per_task.values()))
+    return mean, (max(0.0, mean - half), min(1.0, mean + half))
 
 
 def wilson(wins: int, n: int) -> tuple[float, float]:
@@ -97,12 +128,16 @@ def wilson(wins: int, n: int) -> tuple[float, float]:
 
 async def evaluate(setup: EpisodeSetup, policy: Policy, tasks: Sequence[int], policy_name: str,
                    concurrency: int = 64, progress: Callable[[], None] | None = None,
-                   play: Callable[[int], Awaitable[list[Sample]]] | None = None) -> EvalResult:
-    """One episode per task, at most `concurrency` at once, `progress()` after each; an env,
-    agent or reward failure raises (EpisodeError). `play`: an episode of a task as its samples
-    (your agent's: actors/agents.py) in place of the episode loop's with `policy`."""
+                   play: Callable[[int], Awaitable[list[Sample]]] | None = None, samples: int = 1) -> EvalResult:
+    """`samples` episodes per task (several are for a sampling policy: pass@1 clustered by
+    task), at most `concurrency` at once, `progress()` after each; an env, agent or reward
+    failure raises (EpisodeError). `play`: an episode of a task as its samples (your agent's:
+    actors/agents.py) in place of the episode loop's with `policy`."""
     if not tasks:
         raise ValueError("no tasks to evaluate")
+    if samples < 1:
+        raise ValueError(f"samples must be at least 1, got {samples}")
+    played = [task for task in tasks for _ in range(samples)]
     limit = asyncio.Semaphore(concurrency)
 
     async def one(task_idx: int) -> list[Sample]:
@@ -114,7 +149,7 @@ async def evaluate(setup: EpisodeSetup, policy: Policy, tasks: Sequence[int], po
 
     try:
         async with asyncio.TaskGroup() as tg:
-            episodes = [tg.create_task(one(t)) for t in tasks]
+            episodes = [tg.create_task(one(t)) for t in played]
     except* EpisodeError as errors:  # the first failure cancels the rest
         raise errors.exceptions[0] from None
-    return EvalResult.of(setup.env_name, policy_name, [e.result() for e in episodes])
+    return EvalResult.of(setup.env_name, policy_name, [e.result() for e in episodes], played if samples > 1 else None)

@@ -25,22 +25,24 @@ BENCHMARKS = {"broker": "benchmarks.broker", "pipeline": "benchmarks.pipeline", 
               "staleness": "benchmarks.staleness", "scale": "benchmarks.scale", "evaluator": "benchmarks.evaluator",
               "fuzz": "benchmarks.fuzz"}
 # Run by name only, never by `all`: they take their minutes whatever --quick says of the others.
-BY_NAME_ONLY = {"soak": "benchmarks.soak"}
+BY_NAME_ONLY = {"soak": "benchmarks.soak", "onednn": "benchmarks.onednn"}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("name", choices=[*BENCHMARKS, *BY_NAME_ONLY, "all"],
-                   help="the benchmark, or all of them (but soak: by name only)")
+                   help="the benchmark, or all of them (but soak and onednn: by name only)")
     p.add_argument("--quick", action="store_true", help="seconds per benchmark: a smoke test, not a measurement")
     p.add_argument("--out", default="bench-results", help="directory for NAME.json, NAME.png and table.md")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="where models run (learner, engine, weights); cuda needs a GPU and OMRL_EXTRA=gpu's vLLM")
-    p.add_argument("--minutes", type=float, help="soak: how long the run goes on (default 120; --quick: 10)")
+    p.add_argument("--minutes", type=float, help="soak: how long the run goes on (default 120; --quick: 10); onednn: "
+                   "how long the engines generate (default 8; --quick: 1)")
 
 
 def main(args: argparse.Namespace) -> int:
     if args.minutes is not None and args.name not in BY_NAME_ONLY:
-        print(f"error: --minutes is soak's: omrl bench {args.name} takes no duration", file=sys.stderr)
+        print(f"error: --minutes is for {' and '.join(BY_NAME_ONLY)}: omrl bench {args.name} takes no duration",
+              file=sys.stderr)
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

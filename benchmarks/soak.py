@@ -83,16 +83,16 @@ def run(quick: bool, device: str, minutes: float | None = None, out: Path | None
 
 def sample_run(supervisor: int, run_dir: Path) -> dict:
     """One sample: per process group of the run, memory, files and threads; Redis; the disk."""
-    table = _proc_table()
+    table = proc_table()
     leaders = {pid: _role(pid) for pid, (ppid, _) in table.items() if ppid == supervisor}
-    groups: dict[str, dict[str, float]] = {"supervisor": _usage([supervisor])}
+    groups: dict[str, dict[str, float]] = {"supervisor": usage([supervisor])}
     for leader, role in leaders.items():
         members = [pid for pid, (_, pgrp) in table.items() if pgrp == leader]
-        groups[role] = _usage(members)
+        groups[role] = usage(members)
     return {"processes": groups, "redis": _redis(run_dir), "disk_mb": _du(run_dir) / 2**20, "steps": last_step(run_dir)}
 
 
-def _proc_table() -> dict[int, tuple[int, int]]:
+def proc_table() -> dict[int, tuple[int, int]]:
     """pid -> (parent pid, process group) of every process."""
     table = {}
     for entry in os.listdir("/proc"):
@@ -125,7 +125,7 @@ def _role(pid: int) -> str:
     return f"pid{pid}"
 
 
-def _usage(pids: list[int]) -> dict[str, float]:
+def usage(pids: list[int]) -> dict[str, float]:
     """The group's resident memory (MB), open files and threads, summed over its processes."""
     rss = fds = threads = 0
     for pid in pids:

@@ -50,16 +50,13 @@ def prepared_demo(out: Path):
 
     parser = argparse.ArgumentParser()
     demo_mod.add_args(parser)
-    args = parser.parse_args(["babyai", "--out", str(out)])
-    levels = demo_mod._levels(args.levels, "--levels")
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    demo = demo_mod.Demo(out, args, levels, demo_mod._levels(args.rl_levels, "--rl-levels"))
+    demo = demo_mod.make_demo(parser.parse_args(["babyai", "--out", str(out)]))
     demo.until_rl()
     return demo
 
 
 def run(out: Path) -> dict:
-    from deploy.demo import evaluate_levels
+    from deploy.demo import evaluate_strata
 
     demo = prepared_demo(out / "demo")
     runs = []
@@ -74,7 +71,8 @@ def run(out: Path) -> dict:
             sets = [override(k, v) for k, v in {**fields, "learner.seed": seed, "actor.seed": 100 * seed}.items()]
             demo.rl(name, sets)
             rl_s = time.monotonic() - started
-            held_out = evaluate_levels(demo.out, demo.out / f"{name}-model", [LEVEL])[str(LEVEL)]
+            held_out = evaluate_strata(demo.out, demo.out / f"{name}-model", "babyai",
+                                       [demo.stratum_dir(str(LEVEL))])[0][0]
             result = figures(demo.out / name, max(1, demo.args.rl_steps // 5))
             result.update(arm=arm, seed=seed, rl_s=rl_s, commit=commit(), held_out=held_out["success"],
                           held_out_ci=held_out["success_ci"], episodes=held_out["episodes"])

