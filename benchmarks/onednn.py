@@ -14,9 +14,11 @@ engines share the cores alike, so the ratio compares them). Run by name only.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -46,10 +48,15 @@ def run(quick: bool, device: str = "cpu", minutes: float | None = None, out: Pat
                 env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] = capacity
             procs[name] = subprocess.Popen(
                 [sys.executable, "-m", "benchmarks.onednn", str(model), str(minutes * 60), f"{root}/{name}.json"],
-                env=env, stdout=open(f"{root}/{name}.log", "w"), stderr=subprocess.STDOUT)
-        for name, proc in procs.items():
-            if proc.wait() != 0:
-                raise RuntimeError(f"the {name} engine failed: {Path(root, name + '.log').read_text()[-3000:]}")
+                env=env, stdout=open(f"{root}/{name}.log", "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            for name, proc in procs.items():
+                if proc.wait() != 0:
+                    raise RuntimeError(f"the {name} engine failed: {Path(root, name + '.log').read_text()[-3000:]}")
+        finally:  # vLLM's engine processes outlive the arm's own exit: each arm's group goes whole
+            for proc in procs.values():
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)
         samples = {name: json.loads(Path(root, f"{name}.json").read_text()) for name in arms}
     end = {name: s[-1] for name, s in samples.items()}
     growth = {name: s[-1]["rss_mb"] - s[len(s) // 10]["rss_mb"] for name, s in samples.items()}
@@ -81,7 +88,7 @@ def arm(model: str, seconds: float, out: str) -> None:
         if calls % SAMPLE_EVERY == 0:
             samples.append({"t": time.monotonic() - started, "calls": calls, "rss_mb": usage(descendants())["rss_mb"]})
     Path(out).write_text(json.dumps(samples))
-    os._exit(0)  # vLLM's engine processes go with it; its teardown at exit can hang
+    os._exit(0)  # vLLM's teardown at exit can hang; the caller kills the engine's processes with the arm's group
 
 
 def descendants() -> list[int]:

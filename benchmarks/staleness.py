@@ -64,6 +64,7 @@ import numpy as np
 from benchmarks.common import omrl_run, pyplot, row
 from benchmarks.pipeline import layout, layouts
 from common.cli import override
+from common.stats import T975, interval
 
 # No evaluator: its engine would take CPU from the arms' time to target.
 SETTINGS = ["env.name=grid_nav", "actor.max_tokens=1", "actor.max_turns=8", "run.log_level=WARNING",
@@ -90,7 +91,6 @@ STEPS = 80
 TARGET = 0.6  # trailing mean of reward/success to reach (fixed before the runs)
 SMOOTH = 8  # steps in that trailing mean, and in the plots'
 QUICK = {"arms": ("sync", "naive eta=4"), "seeds": (0,), "steps": 3}
-T975 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}
 
 
 def settings(arm: str, seed: int) -> list[str]:
@@ -135,15 +135,6 @@ def figures(run_dir: Path, window: int) -> dict:
             "frac_clipped": statistics.mean(r.get("learner/frac_clipped", 0.0) for r in records),
             "ess": statistics.mean(r.get("learner/ess", 1.0) for r in records),
             "step_s": statistics.median(r["perf/step_s"] for r in records[len(records) // 5:])}
-
-
-def interval(values: list[float]) -> tuple[float, float, float]:
-    """Mean and 95% t-interval over seeds (a single seed: no interval)."""
-    mean = statistics.mean(values)
-    if len(values) < 2:
-        return mean, float("nan"), float("nan")
-    half = T975.get(len(values) - 1, 1.96) * statistics.stdev(values) / len(values) ** 0.5
-    return mean, mean - half, mean + half
 
 
 def commit() -> str:

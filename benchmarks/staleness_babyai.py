@@ -35,8 +35,9 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.common import pyplot
-from benchmarks.staleness import _band, _ci, commit, figures, interval, run_name
+from benchmarks.staleness import _band, _ci, commit, figures, run_name
 from common.cli import override
+from common.stats import interval
 
 LEVEL = 5  # GoToLocalS8N7
 ARMS = [("sync", {"learner.mode": "sync"}), ("async eta=4", {"learner.mode": "async", "learner.eta": 4})]

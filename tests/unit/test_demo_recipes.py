@@ -92,3 +92,27 @@ def test_strata_pool_into_one_row_by_their_episodes_or_their_tasks():
     both = demo_mod.pooled([a, b])
     assert both["success"] == pytest.approx(0.75)
     assert both["success_ci"] == pytest.approx(list(clustered({1: 1.0, 2: 0.0, 3: 1.0, 4: 1.0})[1]))
+
+
+def test_several_seeds_report_each_strata_change_with_a_t_interval(tmp_path):
+    demo = demo_mod.make_demo(args_of("babyai", "--out", str(tmp_path), "--levels", "1,4", "--rl-levels", "4",
+                                      "--seeds", "3"))
+
+    def result(success: float, n: int = 100) -> dict:
+        return {"episodes": n, "success": success, "success_ci": [0.0, 1.0], "per_task": None}
+
+    before = {"1": result(0.90), "4": result(0.50)}
+    afters = [{"1": result(0.88), "4": result(0.70)}, {"1": result(0.90), "4": result(0.80)},
+              {"1": result(0.86), "4": result(0.60)}]
+    gains = demo_mod.seed_gains(demo, before, afters)
+    assert gains["4"]["changes"] == pytest.approx([20.0, 30.0, 10.0])
+    assert gains["4"]["mean"] == pytest.approx(20.0)
+    assert gains["4"]["ci"] == pytest.approx([20.0 - 4.303 * 10.0 / 3 ** 0.5, 20.0 + 4.303 * 10.0 / 3 ** 0.5])
+    assert gains["1"]["changes"] == pytest.approx([-2.0, 0.0, -4.0])
+    assert gains["all"]["changes"] == pytest.approx([9.0, 15.0, 3.0])  # 200 episodes pooled: (0.79, 0.85, 0.73) - 0.70
+    table = demo_mod.gains_table(demo, gains)
+    assert table[2] == "| 1 GoToRedBallGrey | -2.0, +0.0, -4.0 | -2.0 [-7.0, +3.0] |"
+    assert table[3].startswith("| 4 GoToObjS6 (RL) | +20.0, +30.0, +10.0 | +20.0 [")
+    assert demo_mod.seed_names(0) == ("rl", "after") and demo_mod.seed_names(2) == ("rl-seed2", "after-seed2")
+    with pytest.raises(SystemExit, match="--seeds takes 1 or more"):
+        demo_mod.make_demo(args_of("babyai", "--out", str(tmp_path), "--seeds", "0"))
