@@ -60,30 +60,29 @@ class Recipe:
     """An env's settings of the demo. `actor`: what every stage shares (AgentGym's raw action
     text after the observation, turns capped as AgentGym's client must cap them: its servers
     never end an episode on turns); `model`: `omrl init-model`'s shape; `defaults`: the
-    command line's, where it leaves them out; `own`: the flags only this recipe takes;
-    `sft_eval_episodes`: the held-out episodes of each point of SFT's success curve."""
+    command line's, where it leaves them out; `own`: the flags only this recipe takes."""
     env: str
     stratum: str  # what a stratum is called: "level", "depth"
     actor: dict
     model: tuple[str, ...]
     defaults: dict
     own: tuple[str, ...]
-    sft_eval_episodes: int
 
 
 BABYAI = Recipe("babyai", "level", {"max_turns": 10, "max_tokens": 16, "max_seq_len": 2048, "action_template": "raw"},
                 ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "384"),  # 0.76M parameters
                 {"levels": "1,4,5", "rl_levels": "5", "train_seeds": 4000, "episodes": 4000, "eval_episodes": 1000,
-                 "eval_samples": 0, "sft_epochs": 2.0, "sft_lr": 1e-3, "sft_batch_size": 32, "rl_steps": 60},
-                ("levels", "rl_levels", "train_seeds", "eval_episodes"), 200)
+                 "eval_samples": 0, "sft_epochs": 2.0, "sft_lr": 1e-3, "sft_batch_size": 32, "sft_eval_episodes": 200,
+                 "rl_steps": 60},
+                ("levels", "rl_levels", "train_seeds", "eval_episodes"))
 # TextCraft: the oracle takes 2 turns at depth 1 on average, 5 at 2, 11 at 3 (48 at most), 19 at 4;
 # a first observation is 132 words on average, 695 at most; an action 22 words at most.
 TEXTCRAFT = Recipe("textcraft", "depth", {"max_turns": 50, "max_tokens": 40, "max_seq_len": 4096,
                                           "action_template": "raw"},
                    ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "384"),
                    {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "sft_epochs": 8.0,
-                    "sft_lr": 1e-3, "sft_batch_size": 16, "rl_steps": 60},
-                   ("test_goals", "split_seed"), 48)  # an untrained model plays every turn of 50
+                    "sft_lr": 1e-3, "sft_batch_size": 16, "sft_eval_episodes": 48, "rl_steps": 60},
+                   ("test_goals", "split_seed"))
 RECIPES = {r.env: r for r in (BABYAI, TEXTCRAFT)}
 STAGES = ("tasks", "model", "collect", "sft", "before")  # then "rl" and "after" for each seed
 
@@ -104,6 +103,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sft-epochs", type=float)
     p.add_argument("--sft-lr", type=float)
     p.add_argument("--sft-batch-size", type=int, help="episodes per SFT step")
+    p.add_argument("--sft-eval-episodes", type=int, help="held-out episodes of each point of SFT's success curve "
+                                                         "(babyai 200; textcraft 48: an untrained model plays every "
+                                                         "turn)")
     p.add_argument("--rl-steps", type=int, help="learner steps of the RL stage (60)")
     p.add_argument("--seeds", type=int, default=1, help="RL stages from the same SFT model, each with its seed and "
                                                         "its evaluation after (default 1)")
@@ -170,12 +172,32 @@ def split(recipe: Recipe, args: argparse.Namespace) -> tuple[dict[str, tuple[lis
     by_depth: dict[int, list[int]] = {}
     for goal, depth in enumerate(goal_depths()):
         by_depth.setdefault(depth, []).append(goal)
+    quotas = shares(args.test_goals, {depth: len(goals) for depth, goals in by_depth.items()})
     rng, strata = random.Random(args.split_seed), {}
     for depth, goals in sorted(by_depth.items()):
-        held = max(1, round(args.test_goals * len(goals) / GOALS))  # every depth in the test split
         goals = rng.sample(goals, len(goals))
+        held = quotas[depth]
         strata[str(depth)] = (sorted(goals[held:]), sorted(goals[:held]))
     return strata, list(strata)
+
+
+def shares(total: int, sizes: dict[int, int]) -> dict[int, int]:
+    """`total` split in proportion to `sizes`, at least 1 each, rounded by largest remainder:
+    the parts add up to `total` (where it is at least the number of parts)."""
+    whole = sum(sizes.values())
+    exact = {key: total * n / whole for key, n in sizes.items()}
+    parts = {key: max(1, int(x)) for key, x in exact.items()}
+    by_remainder = sorted(exact, key=lambda k: exact[k] - parts[k], reverse=True)
+    for key in by_remainder:  # short: the largest remainders get one more
+        if sum(parts.values()) >= total:
+            break
+        parts[key] += 1
+    for key in reversed(by_remainder):  # over, from the ones of 1: the smallest remainders give one back
+        if sum(parts.values()) <= total:
+            break
+        if parts[key] > 1:
+            parts[key] -= 1
+    return parts
 
 
 def seed_names(seed: int) -> tuple[str, str]:
@@ -282,7 +304,7 @@ class Demo:
                   "--model", str(self.out / "model0"), "--out", str(self.out / "sft"), "--tasks",
                   str(self.out / "tasks" / "all"), "--epochs", str(self.args.sft_epochs), "--lr", str(self.args.sft_lr),
                   "--batch-size", str(self.args.sft_batch_size),
-                  "--eval-every", str(self.args.sft_epochs / 2), "--eval-episodes", str(self.recipe.sft_eval_episodes))
+                  "--eval-every", str(self.args.sft_epochs / 2), "--eval-episodes", str(self.args.sft_eval_episodes))
 
     def evaluate(self, model: str, name: str) -> None:
         """OUT/NAME.json: each stratum's held-out tasks played greedily; with --eval-samples,

@@ -70,12 +70,11 @@ def test_a_small_demo_fine_tunes_above_the_random_policy_then_runs_rl(tmp_path):
     assert "ran in an earlier invocation" in again.stdout
 
 
-def rl_books_balance(run_dir, steps: int) -> None:
-    """The RL stage trained its steps of LEARNER's groups, none dead-lettered, none failed but
+def rl_books_balance(run_dir, steps: int, groups: int = LEARNER["groups_per_step"]) -> None:
+    """The RL stage trained its steps of `groups` groups, none dead-lettered, none failed but
     those the end of the run cancels."""
     rl = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rl] == list(range(1, steps + 1))
-    groups = LEARNER["groups_per_step"]
     assert all(r["batch/groups"] == groups and r["batch/generated_tokens"] > 0 for r in rl), rl
     books = json.loads((run_dir / "accounting.json").read_text())
     assert set(books["failed"]) <= {"cancelled"} and books["dead_lettered"] == {} and books["trained"] == steps * groups, books
@@ -87,8 +86,10 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
     from envs.textcraft import goal_depths
 
     out = tmp_path / "demo"
+    # Small: an SFT model this short-trained plays most episodes to the 50-turn cap.
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "demo", "textcraft", "--out", str(out), "--test-goals",
-                           "16", "--episodes", "120", "--eval-samples", "3", "--sft-epochs", "2", "--rl-steps", "2"],
+                           "4", "--episodes", "120", "--eval-samples", "3", "--sft-epochs", "2", "--sft-eval-episodes",
+                           "4", "--rl-steps", "2", "--set", "learner.groups_per_step=2", "--set", "actor.group_size=4"],
                           capture_output=True, text=True, timeout=patience(200))
     assert done.returncode == 0, done.stderr[-3000:]
     depths = goal_depths()
@@ -96,7 +97,7 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
     sampled = json.loads((out / "after-sampled.json").read_text())
     assert sorted(before) == ["1", "2", "3", "4"]  # every depth held out, at least one goal each
     test_goals = {key: read_tasks(out / "tasks" / f"depth-{key}" / "test.parquet", "textcraft") for key in before}
-    assert sum(len(goals) for goals in test_goals.values()) == 16
+    assert sum(len(goals) for goals in test_goals.values()) == 4
     for key, goals in test_goals.items():
         assert {depths[g] for g in goals} == {int(key)} and before[key]["episodes"] == len(goals)
         # Sampled: 3 episodes a goal, pass@1 the mean of the goals' own rates
@@ -104,9 +105,9 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
         rates = list(sampled[key]["per_task"].values())
         assert sampled[key]["success"] == pytest.approx(sum(rates) / len(rates))
     train = read_tasks(out / "tasks" / "all" / "train.parquet", "textcraft")
-    assert not set(train) & {g for goals in test_goals.values() for g in goals} and len(train) == 544 - 16
+    assert not set(train) & {g for goals in test_goals.values() for g in goals} and len(train) == 544 - 4
     assert "| depth 3 (RL) |" in done.stdout and "| all |" in done.stdout and "pass@1" in done.stdout
     curve = [r for r in read_jsonl(out / "sft" / "sft_metrics.jsonl") if "sft/heldout_loss" in r]
     assert curve[-1]["sft/heldout_loss"] < curve[0]["sft/heldout_loss"], curve
-    rl_books_balance(out / "rl", 2)
+    rl_books_balance(out / "rl", 2, groups=2)
     assert (out / "rl-model" / "config.json").is_file() and (out / "demo.png").is_file()

@@ -30,10 +30,10 @@ def test_textcraft_holds_out_a_share_of_every_depth_and_the_seed_picks_which(tmp
     train = [g for tr, _te in demo.strata.values() for g in tr]
     test = [g for _tr, te in demo.strata.values() for g in te]
     assert sorted(train + test) == list(range(GOALS)) and not set(train) & set(test)
-    assert abs(len(test) - 144) <= 2  # each depth's share rounded
+    assert len(test) == 144
     counts, held = collections.Counter(depths), collections.Counter(depths[g] for g in test)
     for depth, n in counts.items():
-        assert held[depth] >= 1 and abs(held[depth] - 144 * n / GOALS) <= 1, (depth, held[depth], n)
+        assert held[depth] >= 1 and abs(held[depth] - 144 * n / GOALS) < 1, (depth, held[depth], n)
     for key, (tr, te) in demo.strata.items():
         assert {depths[g] for g in tr + te} == {int(key)}
     assert demo.rl_strata == list(demo.strata)  # RL trains on every depth's train goals
@@ -116,3 +116,10 @@ def test_several_seeds_report_each_strata_change_with_a_t_interval(tmp_path):
     assert demo_mod.seed_names(0) == ("rl", "after") and demo_mod.seed_names(2) == ("rl-seed2", "after-seed2")
     with pytest.raises(SystemExit, match="--seeds takes 1 or more"):
         demo_mod.make_demo(args_of("babyai", "--out", str(tmp_path), "--seeds", "0"))
+
+
+def test_shares_add_up_and_give_every_part_one():
+    assert demo_mod.shares(144, {1: 125, 2: 291, 3: 117, 4: 11}) == {1: 33, 2: 77, 3: 31, 4: 3}
+    assert demo_mod.shares(4, {1: 125, 2: 291, 3: 117, 4: 11}) == {1: 1, 2: 1, 3: 1, 4: 1}
+    assert demo_mod.shares(16, {1: 125, 2: 291, 3: 117, 4: 11}) == {1: 4, 2: 8, 3: 3, 4: 1}
+    assert demo_mod.shares(2, {1: 5, 2: 5, 3: 5}) == {1: 1, 2: 1, 3: 1}  # fewer than the parts: one each
