@@ -122,6 +122,8 @@ def _role(pid: int) -> str:
         return "evaluator"
     if "--index" in words:
         return f"actor{words[words.index('--index') + 1]}"
+    if "plot" in words:  # the live plot, drawn in a process of its own every run.plot_every_s
+        return "plot"
     return f"pid{pid}"
 
 
@@ -231,7 +233,9 @@ def plot(result: dict, path: Path) -> None:
             chosen = {"run dir MB": data.get("run dir MB", []),
                       "steps / 1000": [(t, v / 1000) for t, v in data.get("steps", [])]}
         for name, pts in chosen.items():
-            ax.plot([t / 60 for t, _ in pts], [v for _, v in pts], label=name)
+            brief = name.startswith(("pid", "plot"))  # a short-lived child of the supervisor: grey, unnamed
+            ax.plot([t / 60 for t, _ in pts], [v for _, v in pts], label=None if brief else name,
+                    **({"color": "grey", "lw": 0.8} if brief else {}))
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=7, ncol=3)
         ax.axvspan(0, 0.1 * minutes, color="grey", alpha=0.15)  # the start, not judged

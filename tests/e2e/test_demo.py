@@ -59,14 +59,14 @@ def test_a_small_demo_fine_tunes_above_the_random_policy_then_runs_rl(tmp_path):
     rl_books_balance(out / "rl", 3)
     assert (out / "rl-model" / "config.json").is_file() and (out / "demo.png").is_file()
     report = json.loads((out / "report.json").read_text())
-    assert report["rl_levels"] == [1] and set(report["times_s"]) == set(stages)
+    assert report["rl_strata"] == ["1"] and set(report["times_s"]) == set(stages)
 
     # Run again, it does nothing twice: every stage is skipped, the report is the same table.
-    table = (out / "report.md").read_text().splitlines()[:3]
+    table = (out / "report.md").read_text().splitlines()[:5]  # the heading, the table's head and its row
     again = subprocess.run([sys.executable, "-m", "deploy.cli", "demo", "babyai", "--out", str(out), "--levels", "1",
                             "--rl-levels", "1"], capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert again.stdout.splitlines()[:3] == table
+    assert again.stdout.splitlines()[:5] == table
     assert "ran in an earlier invocation" in again.stdout
 
 
@@ -89,7 +89,8 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
     # Small: an SFT model this short-trained plays most episodes to the 50-turn cap.
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "demo", "textcraft", "--out", str(out), "--test-goals",
                            "4", "--episodes", "120", "--eval-samples", "3", "--sft-epochs", "2", "--sft-eval-episodes",
-                           "4", "--rl-steps", "2", "--set", "learner.groups_per_step=2", "--set", "actor.group_size=4"],
+                           "4", "--rl-steps", "2", "--set", "learner.groups_per_step=2", "--set", "actor.group_size=4",
+                           "--set", "actor.max_turns=12"],
                           capture_output=True, text=True, timeout=patience(200))
     assert done.returncode == 0, done.stderr[-3000:]
     depths = goal_depths()
