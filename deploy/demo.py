@@ -69,8 +69,9 @@ class Recipe:
     own: tuple[str, ...]
 
 
+MODEL = ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "384")  # 0.76M parameters
 BABYAI = Recipe("babyai", "level", {"max_turns": 10, "max_tokens": 16, "max_seq_len": 2048, "action_template": "raw"},
-                ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "384"),  # 0.76M parameters
+                MODEL,
                 {"levels": "1,4,5", "rl_levels": "5", "train_seeds": 4000, "episodes": 4000, "eval_episodes": 1000,
                  "eval_samples": 0, "sft_epochs": 2.0, "sft_lr": 1e-3, "sft_batch_size": 32, "sft_eval_episodes": 200,
                  "rl_steps": 60},
@@ -79,7 +80,7 @@ BABYAI = Recipe("babyai", "level", {"max_turns": 10, "max_tokens": 16, "max_seq_
 # a first observation is 132 words on average, 695 at most; an action 22 words at most.
 TEXTCRAFT = Recipe("textcraft", "depth", {"max_turns": 50, "max_tokens": 40, "max_seq_len": 4096,
                                           "action_template": "raw"},
-                   ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "384"),
+                   MODEL,
                    {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "sft_epochs": 8.0,
                     "sft_lr": 1e-3, "sft_batch_size": 16, "sft_eval_episodes": 48, "rl_steps": 60},
                    ("test_goals", "split_seed"))
@@ -279,10 +280,13 @@ class Demo:
             return f"{key} {LEVELS[int(key) - 1]}"
         return f"depth {key}"
 
+    def row_label(self, key: str) -> str:
+        """A report row's name: the stratum's, marked where RL trained on it, or "all"."""
+        return "all" if key == "all" else f"{self.label(key)}{' (RL)' if key in self.rl_strata else ''}"
+
     # -- stages ----------------------------------------------------------------------
     def tasks(self) -> None:
-        every = [key for key in self.strata]
-        for name, keys in (("all", every), ("rl", self.rl_strata)):
+        for name, keys in (("all", list(self.strata)), ("rl", self.rl_strata)):
             write_tasks(self.out / "tasks" / name, self.env, [t for k in keys for t in self.strata[k][0]],
                         [t for k in keys for t in self.strata[k][1]])
         for key, (train, test) in self.strata.items():
@@ -333,15 +337,13 @@ class Demo:
             return json.loads(path.read_text()) if path.exists() else None
 
         before, after = read("before"), read("after")
-        lines = [f"Greedy, one episode a held-out task{'' if self.recipe is BABYAI else ' (goal)'}:", "",
-                 f"| {self.recipe.stratum} | episodes | after SFT | after SFT + RL | change |", "|---|---|---|---|---|"]
+        head = [f"| {self.recipe.stratum} | episodes | after SFT | after SFT + RL | change |", "|---|---|---|---|---|"]
+        lines = [f"Greedy, one episode a held-out task{'' if self.recipe is BABYAI else ' (goal)'}:", "", *head]
         lines += table_rows(self, before, after)
         sampled = (read("before-sampled"), read("after-sampled"))
         if all(sampled):
             lines += ["", f"Sampled at temperature 1, {self.args.eval_samples} episodes a held-out task: pass@1, its "
-                          "interval clustered by task:", "",
-                      f"| {self.recipe.stratum} | episodes | after SFT | after SFT + RL | change |",
-                      "|---|---|---|---|---|"]
+                          "interval clustered by task:", "", *head]
             lines += table_rows(self, *sampled)
         afters = [a for a in (read(seed_names(seed)[1]) for seed in range(self.args.seeds)) if a]
         gains = {}
@@ -368,10 +370,9 @@ class Demo:
 
 def table_rows(demo: Demo, before: dict, after: dict) -> list[str]:
     """A row per stratum, and one for all of them where there are several."""
-    rows = [(f"{demo.label(key)}{' (RL)' if key in demo.rl_strata else ''}", before[key], after[key])
-            for key in demo.strata]
+    rows = [(demo.row_label(key), before[key], after[key]) for key in demo.strata]
     if len(demo.strata) > 1:
-        rows.append(("all", pooled(list(before.values())), pooled(list(after.values()))))
+        rows.append((demo.row_label("all"), pooled(list(before.values())), pooled(list(after.values()))))
     return [f"| {label} | {a['episodes']} | {_pct(b)} | {_pct(a)} | {100 * (a['success'] - b['success']):+.1f} |"
             for label, b, a in rows]
 
@@ -395,8 +396,7 @@ def seed_gains(demo: Demo, before: dict, afters: list[dict]) -> dict:
 def gains_table(demo: Demo, gains: dict) -> list[str]:
     lines = [f"| {demo.recipe.stratum} | change per seed | mean [95% CI] |", "|---|---|---|"]
     for key, g in gains.items():
-        label = "all" if key == "all" else f"{demo.label(key)}{' (RL)' if key in demo.rl_strata else ''}"
-        lines.append(f"| {label} | {', '.join(f'{c:+.1f}' for c in g['changes'])} | {g['mean']:+.1f} "
+        lines.append(f"| {demo.row_label(key)} | {', '.join(f'{c:+.1f}' for c in g['changes'])} | {g['mean']:+.1f} "
                      f"[{g['ci'][0]:+.1f}, {g['ci'][1]:+.1f}] |")
     return lines
 
