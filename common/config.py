@@ -483,6 +483,9 @@ class SFTConfig(Section):
     """Held-out tasks per evaluation (0: no evaluation)."""
     eval_every: float = Field(1.0, gt=0)
     """Epochs between evaluations (and one at the end)."""
+    eval_start: bool = True
+    """Also evaluate the model before the first step (false: where an untrained model playing every
+    turn of every task would cost more than the point is worth)."""
     seed: int = 0
     """Seed of the shuffles, the held-out slice and torch."""
 

@@ -73,17 +73,17 @@ MODEL = ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "
 BABYAI = Recipe("babyai", "level", {"max_turns": 10, "max_tokens": 16, "max_seq_len": 2048, "action_template": "raw"},
                 MODEL,
                 {"levels": "1,4,5", "rl_levels": "5", "train_seeds": 4000, "episodes": 4000, "eval_episodes": 1000,
-                 "eval_samples": 0, "sft_epochs": 2.0, "sft_lr": 1e-3, "sft_batch_size": 32, "sft_eval_episodes": 200,
-                 "rl_steps": 60},
+                 "eval_samples": 0, "sft_epochs": 2.0, "sft_eval_start": True, "sft_lr": 1e-3, "sft_batch_size": 32,
+                 "sft_eval_episodes": 200, "rl_steps": 60},
                 ("levels", "rl_levels", "train_seeds", "eval_episodes"))
 # TextCraft: the oracle takes 2 turns at depth 1 on average, 5 at 2, 11 at 3 (48 at most), 19 at 4;
 # a first observation is 132 words on average, 695 at most; an action 22 words at most.
 TEXTCRAFT = Recipe("textcraft", "depth", {"max_turns": 50, "max_tokens": 40, "max_seq_len": 4096,
                                           "action_template": "raw"},
                    MODEL,
-                   {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "sft_epochs": 8.0,
-                    "sft_lr": 1e-3, "sft_batch_size": 16, "sft_eval_episodes": 48, "rl_steps": 60},
-                   ("test_goals", "split_seed"))
+                   {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "sft_epochs": 8.0, "sft_eval_start": False,
+                    "sft_lr": 1e-3, "sft_batch_size": 16, "sft_eval_episodes": 48, "rl_steps": 60, "variants": 1},
+                   ("test_goals", "split_seed", "variants"))
 RECIPES = {r.env: r for r in (BABYAI, TEXTCRAFT)}
 STAGES = ("tasks", "model", "collect", "sft", "before")  # then "rl" and "after" for each seed
 
@@ -97,6 +97,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-episodes", type=int, help="babyai: held-out episodes per level, before and after (1000)")
     p.add_argument("--test-goals", type=int, help="textcraft: held-out goals, a share of every depth (144 of 544)")
     p.add_argument("--split-seed", type=int, help="textcraft: which goals of each depth are held out (0)")
+    p.add_argument("--variants", type=int, help="textcraft: tasks a train goal, each with other distractor recipes "
+                                                "(task g + 544 v, v < N; the held-out goals are played as AgentGym's "
+                                                "tasks, v = 0) (1)")
     p.add_argument("--episodes", type=int, help="oracle episodes to fine-tune on (babyai 4000; textcraft: 0, "
                                                 "one per train goal)")
     p.add_argument("--eval-samples", type=int, help="sampled episodes per held-out task besides the greedy one, "
@@ -107,6 +110,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sft-eval-episodes", type=int, help="held-out episodes of each point of SFT's success curve "
                                                          "(babyai 200; textcraft 48: an untrained model plays every "
                                                          "turn)")
+    p.add_argument("--sft-eval-start", action=argparse.BooleanOptionalAction,
+                   help="the SFT curve's point before training (babyai yes; textcraft no: an untrained model plays "
+                        "all 50 turns of every goal)")
     p.add_argument("--rl-steps", type=int, help="learner steps of the RL stage (60)")
     p.add_argument("--seeds", type=int, default=1, help="RL stages from the same SFT model, each with its seed and "
                                                         "its evaluation after (default 1)")
@@ -170,6 +176,8 @@ def split(recipe: Recipe, args: argparse.Namespace) -> tuple[dict[str, tuple[lis
 
     if not 1 <= args.test_goals < GOALS:
         raise SystemExit(f"error: --test-goals takes 1-{GOALS - 1}, got {args.test_goals}")
+    if args.variants < 1:
+        raise SystemExit(f"error: --variants takes 1 or more, got {args.variants}")
     by_depth: dict[int, list[int]] = {}
     for goal, depth in enumerate(goal_depths()):
         by_depth.setdefault(depth, []).append(goal)
@@ -178,7 +186,8 @@ def split(recipe: Recipe, args: argparse.Namespace) -> tuple[dict[str, tuple[lis
     for depth, goals in sorted(by_depth.items()):
         goals = rng.sample(goals, len(goals))
         held = quotas[depth]
-        strata[str(depth)] = (sorted(goals[held:]), sorted(goals[:held]))
+        train = [goal + GOALS * variant for variant in range(args.variants) for goal in sorted(goals[held:])]
+        strata[str(depth)] = (train, sorted(goals[:held]))
     return strata, list(strata)
 
 
@@ -308,7 +317,8 @@ class Demo:
                   "--model", str(self.out / "model0"), "--out", str(self.out / "sft"), "--tasks",
                   str(self.out / "tasks" / "all"), "--epochs", str(self.args.sft_epochs), "--lr", str(self.args.sft_lr),
                   "--batch-size", str(self.args.sft_batch_size),
-                  "--eval-every", str(self.args.sft_epochs / 2), "--eval-episodes", str(self.args.sft_eval_episodes))
+                  "--eval-every", str(self.args.sft_epochs / 2), "--eval-episodes", str(self.args.sft_eval_episodes),
+                  "--eval-start" if self.args.sft_eval_start else "--no-eval-start")
 
     def evaluate(self, model: str, name: str) -> None:
         """OUT/NAME.json: each stratum's held-out tasks played greedily; with --eval-samples,

@@ -43,6 +43,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval-env", help="env whose held-out tasks the model plays (default: the data's env)")
     p.add_argument("--eval-episodes", type=int, help="held-out tasks per evaluation (0: none)")
     p.add_argument("--eval-every", type=float, help="epochs between evaluations (default 1)")
+    p.add_argument("--eval-start", action=argparse.BooleanOptionalAction,
+                   help="also evaluate before the first step (default yes)")
     p.add_argument("--tasks", help="task files directory for the evaluation (env.tasks)")
     p.add_argument("--seed", type=int)
 
@@ -131,7 +133,7 @@ async def fine_tune(cfg: Config, data: list[str], out: Path) -> Path:
             await player.load(trainer.state_dict())
             return eval_row(await player.play(tasks, step))
 
-        if player is not None:
+        if player is not None and sft.eval_start:
             sink.write({"step": 0, "epoch": 0.0, **await held_out(0)})
         rng = random.Random(sft.seed + 1)
         order: list[int] = []

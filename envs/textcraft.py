@@ -24,6 +24,11 @@ distractors drawn follow Python's string hashing, which changes per process. Her
 fixed: files are read in name order and sets are sorted, so task i is the same everywhere;
 the task set, recipes, rules and rewards are AgentGym's.
 
+One departure: AgentGym's server gives task i + 544 the same episode as task i. Here task i
+draws its distractors and their order from seed 42 + i // 544 (its *variant*), so tasks
+0-543 are AgentGym's and each later block of 544 shows the same goals among other recipes:
+more than one episode a goal to learn from (`omrl demo textcraft --variants`).
+
 The oracle reads the whole recipe tree: for what the goal needs and is not in the
 inventory, it gets all base items (one `get` per item) then crafts one batch at a time,
 shallowest recipe first.
@@ -116,7 +121,7 @@ class TextCraftEnv(Env):
     def reset(self, task_idx: int) -> str:
         if task_idx < 0:
             raise RuntimeError(f"data_idx must be at least 0, got {task_idx}")
-        rng = random.Random(42)  # AgentGym seeds the global generator with 42 at every reset
+        rng = random.Random(42 + task_idx // GOALS)  # AgentGym seeds its generator with 42 at every reset
         self.inventory = {}
         self.goal = self.goals[task_idx % GOALS]
         needed, distractors = self._recipe_set(self.goal, rng)

@@ -47,8 +47,9 @@ def test_same_task_same_observation(server):
     first = post_ok(server, "/reset", {"id": a, "data_idx": 517})
     assert first["observation"] == post_ok(server, "/reset", {"id": b, "data_idx": 517})["observation"]
     assert first["done"] is False and first["reward"] == 0
-    assert post_ok(server, "/reset", {"id": a, "data_idx": 517 + 544})["observation"] == \
-        post_ok(server, "/reset", {"id": b, "data_idx": 517})["observation"]  # data_idx % 544
+    variant = post_ok(server, "/reset", {"id": a, "data_idx": 517 + 544})["observation"]  # another draw
+    assert variant != first["observation"] and variant.splitlines()[-1] == first["observation"].splitlines()[-1]
+    assert set(variant.splitlines()) & set(first["observation"].splitlines()) > {"Crafting commands:", ""}
 
 
 def test_oracle_solves_held_out_tasks_through_our_client(server):

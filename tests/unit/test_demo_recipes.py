@@ -41,6 +41,14 @@ def test_textcraft_holds_out_a_share_of_every_depth_and_the_seed_picks_which(tmp
     other = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "c"), "--split-seed", "1"))
     assert again.strata == demo.strata and other.strata != demo.strata
     assert demo.args.eval_samples == 8 and demo.args.episodes == 0  # the recipe's defaults
+    # Variants: each train goal again among other distractors (task g + 544 v); the held-out
+    # goals are played as AgentGym's tasks.
+    three = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "d"), "--variants", "3"))
+    for key, (tr, te) in three.strata.items():
+        goals = demo.strata[key][0]
+        assert tr == [g + GOALS * v for v in range(3) for g in goals] and te == demo.strata[key][1]
+    with pytest.raises(SystemExit, match="--variants takes 1 or more"):
+        demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "e"), "--variants", "0"))
 
 
 def test_each_recipe_refuses_the_others_flags(tmp_path):
