@@ -68,6 +68,9 @@ class Turn:
     version: int | list[int]
     """The weight version of its tokens, or a version per token (an update came mid-turn)."""
     action: str | None = None
+    trained: bool = True
+    """False: a turn taken to reach other states, not to be learned from (a noisy oracle's
+    random action): its tokens go into the episode as context, outside the loss mask."""
 
 
 class Policy(Protocol):
@@ -176,10 +179,14 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
             t0 = time.monotonic()
             turn = await policy.act(buf.tokens, budget, env_id)
             t1 = time.monotonic()
-            buf.add_generated(turn.generation.token_ids, turn.generation.logprobs, turn.version)
+            if turn.trained:
+                buf.add_generated(turn.generation.token_ids, turn.generation.logprobs, turn.version)
+            else:
+                buf.add_context(turn.generation.token_ids)
             text = setup.tokenizer.decode(turn.generation.token_ids, skip_special_tokens=True)
             action = turn.action if turn.action is not None else setup.template.parse(text)
-            note({"from": "gpt", "value": turn.action if turn.action is not None else text})
+            note({"from": "gpt", "value": turn.action if turn.action is not None else text,
+                  **({} if turn.trained else {"loss": False})})
             if action is None:  # AgentGym's convention: no server call
                 next_text = INVALID_ACTION + observation
                 turns.append(EpisodeTurn(text, None, next_text, 0.0, False))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import math
+import random
 from collections.abc import Awaitable, Callable, Sequence
 
 from actors.engine import Engine, Generation
@@ -38,18 +39,27 @@ class PinnedModelPolicy:
 
 class ServerPolicy:
     """The env server's own policy (`oracle` or `random`): the action comes from the server; its
-    text goes into the token buffer as if generated (log-prob 0, version -1)."""
+    text goes into the token buffer as if generated (log-prob 0, version -1).
 
-    def __init__(self, setup: EpisodeSetup, kind: str):
+    `noise`: the share of the oracle's turns where the random policy acts instead, outside the
+    loss mask (Turn.trained): the episodes then show the oracle recovering from mistakes, the
+    states a model that learned from clean episodes alone never saw (DAgger's point, without a
+    model in the loop). The oracle plans from the state it finds, so it recovers."""
+
+    def __init__(self, setup: EpisodeSetup, kind: str, noise: float = 0.0, seed: int = 0):
         if kind not in ("oracle", "random"):
             raise ValueError(f"unknown server policy {kind!r}: oracle or random")
-        self.setup, self.kind = setup, kind
+        if not 0 <= noise < 1:
+            raise ValueError(f"noise must be in [0, 1), got {noise}")
+        self.setup, self.kind, self.noise = setup, kind, noise
+        self.rng = random.Random(seed)
 
     async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None) -> Turn:
         env = self.setup.env
-        action = await (env.oracle_action(env_id) if self.kind == "oracle" else env.random_action(env_id))
+        noisy = self.kind == "oracle" and self.rng.random() < self.noise
+        action = await (env.oracle_action(env_id) if self.kind == "oracle" and not noisy else env.random_action(env_id))
         ids = self.setup.format.agent_turn(action)
-        return Turn(Generation(ids, [0.0] * len(ids), "stop"), -1, action=action)
+        return Turn(Generation(ids, [0.0] * len(ids), "stop"), -1, action=action, trained=not noisy)
 
 
 @dataclasses.dataclass

@@ -85,7 +85,7 @@ async def collect(setup: EpisodeSetup, policy: Policy, policy_name: str, tasks: 
             sample = await run_episode(setup, policy, task_idx, conversation)
         rows.append({
             "env": setup.env_name, "task_idx": task_idx, "policy": policy_name,
-            "conversations": [{**turn, "loss": turn["from"] == "gpt"} for turn in conversation],
+            "conversations": [{"loss": turn["from"] == "gpt", **turn} for turn in conversation],
             "tokens": sample.tokens.tolist(), "loss_mask": sample.loss_mask.tolist(),
             "reward": float(sample.reward), "success": bool(sample.success), "num_turns": sample.num_turns,
             "finish_reason": sample.finish_reason,

@@ -73,16 +73,17 @@ MODEL = ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "
 BABYAI = Recipe("babyai", "level", {"max_turns": 10, "max_tokens": 16, "max_seq_len": 2048, "action_template": "raw"},
                 MODEL,
                 {"levels": "1,4,5", "rl_levels": "5", "train_seeds": 4000, "episodes": 4000, "eval_episodes": 1000,
-                 "eval_samples": 0, "sft_epochs": 2.0, "sft_eval_start": True, "sft_lr": 1e-3, "sft_batch_size": 32,
+                 "eval_samples": 0, "collect_noise": 0.0, "sft_epochs": 2.0, "sft_eval_start": True, "sft_lr": 1e-3, "sft_batch_size": 32,
                  "sft_eval_episodes": 200, "rl_steps": 60},
                 ("levels", "rl_levels", "train_seeds", "eval_episodes"))
 # TextCraft: the oracle takes 2 turns at depth 1 on average, 5 at 2, 11 at 3 (48 at most), 19 at 4;
 # a first observation is 132 words on average, 695 at most; an action 22 words at most.
-TEXTCRAFT = Recipe("textcraft", "depth", {"max_turns": 50, "max_tokens": 40, "max_seq_len": 4096,
-                                          "action_template": "raw"},
+TEXTCRAFT = Recipe("textcraft", "depth", {"max_turns": 30, "max_tokens": 40, "max_seq_len": 4096,
+                                          "action_template": "raw", "kv_cache_mb": 512},
                    MODEL,
-                   {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "sft_epochs": 8.0, "sft_eval_start": False,
-                    "sft_lr": 1e-3, "sft_batch_size": 16, "sft_eval_episodes": 48, "rl_steps": 60, "variants": 1},
+                   {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "collect_noise": 0.2, "sft_epochs": 2.0,
+                    "sft_eval_start": False,
+                    "sft_lr": 1e-3, "sft_batch_size": 16, "sft_eval_episodes": 48, "rl_steps": 60, "variants": 10},
                    ("test_goals", "split_seed", "variants"))
 RECIPES = {r.env: r for r in (BABYAI, TEXTCRAFT)}
 STAGES = ("tasks", "model", "collect", "sft", "before")  # then "rl" and "after" for each seed
@@ -99,11 +100,14 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split-seed", type=int, help="textcraft: which goals of each depth are held out (0)")
     p.add_argument("--variants", type=int, help="textcraft: tasks a train goal, each with other distractor recipes "
                                                 "(task g + 544 v, v < N; the held-out goals are played as AgentGym's "
-                                                "tasks, v = 0) (1)")
+                                                "tasks, v = 0) (10)")
     p.add_argument("--episodes", type=int, help="oracle episodes to fine-tune on (babyai 4000; textcraft: 0, "
                                                 "one per train goal)")
     p.add_argument("--eval-samples", type=int, help="sampled episodes per held-out task besides the greedy one, "
                                                     "for pass@1 (babyai 0, textcraft 8)")
+    p.add_argument("--collect-noise", type=float, help="the share of the oracle's turns a random action takes, "
+                                                       "outside the loss: episodes that show recovering from "
+                                                       "mistakes (babyai 0, textcraft 0.2)")
     p.add_argument("--sft-epochs", type=float)
     p.add_argument("--sft-lr", type=float)
     p.add_argument("--sft-batch-size", type=int, help="episodes per SFT step")
@@ -310,7 +314,8 @@ class Demo:
         episodes = self.args.episodes or sum(len(train) for train, _test in self.strata.values())
         self.omrl("collect", "collect", "--config", str(self.out / "config.toml"), "--env", self.env,
                   "--tasks", str(self.out / "tasks" / "all"), "--episodes", str(episodes), "--out",
-                  str(self.out / "oracle.parquet"), "--model", str(self.out / "model0"), "--only-success")
+                  str(self.out / "oracle.parquet"), "--model", str(self.out / "model0"), "--only-success",
+                  "--noise", str(self.args.collect_noise))
 
     def sft(self) -> None:
         self.omrl("sft", "sft", "--config", str(self.out / "config.toml"), "--data", str(self.out / "oracle.parquet"),

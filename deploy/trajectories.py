@@ -69,7 +69,7 @@ async def _collect(cfg: Config, args: argparse.Namespace) -> list[dict]:
             setup = EpisodeSetup(client, tokenizer_of(cfg), cfg.actor, make_template(cfg.actor.action_template),
                                  cfg.env.name, task_data(cfg.env))
             with Progress(len(tasks), "episodes", f"collecting {cfg.env.name} ({args.policy})") as bar:
-                return await collect(setup, ServerPolicy(setup, args.policy), args.policy, tasks,
+                return await collect(setup, ServerPolicy(setup, args.policy, args.noise, args.seed), args.policy, tasks,
                                      progress=lambda _done: bar.update())
 
 

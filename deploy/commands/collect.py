@@ -18,6 +18,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", help="task files directory (env.tasks); default: the env's own split")
     p.add_argument("--split", choices=("train", "test"), default="train", help="which split's tasks (default train)")
     p.add_argument("--only-success", action="store_true", help="keep only the episodes that solved their task")
+    p.add_argument("--noise", type=float, default=0.0,
+                   help="oracle: the share of turns the random policy plays instead, left out of the loss, so the "
+                        "episodes show the oracle recovering from mistakes (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="--noise: the seed of which turns are random")
 
 
 def main(args: argparse.Namespace) -> int:

@@ -86,9 +86,9 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
     from envs.textcraft import goal_depths
 
     out = tmp_path / "demo"
-    # Small: an SFT model this short-trained plays most episodes to the 50-turn cap.
+    # Small: an SFT model this short-trained plays most episodes to the 30-turn cap.
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "demo", "textcraft", "--out", str(out), "--test-goals",
-                           "4", "--episodes", "120", "--eval-samples", "3", "--sft-epochs", "2", "--sft-eval-episodes",
+                           "4", "--variants", "2", "--episodes", "120", "--eval-samples", "3", "--sft-epochs", "2", "--sft-eval-episodes",
                            "4", "--rl-steps", "2", "--set", "learner.groups_per_step=2", "--set", "actor.group_size=4",
                            "--set", "actor.max_turns=12"],
                           capture_output=True, text=True, timeout=patience(200))
@@ -106,7 +106,8 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
         rates = list(sampled[key]["per_task"].values())
         assert sampled[key]["success"] == pytest.approx(sum(rates) / len(rates))
     train = read_tasks(out / "tasks" / "all" / "train.parquet", "textcraft")
-    assert not set(train) & {g for goals in test_goals.values() for g in goals} and len(train) == 544 - 4
+    assert len(train) == 2 * (544 - 4) and {g for g in train if g >= 544} == {g + 544 for g in train if g < 544}
+    assert not {g % 544 for g in train} & {g for goals in test_goals.values() for g in goals}
     assert "| depth 3 (RL) |" in done.stdout and "| all |" in done.stdout and "pass@1" in done.stdout
     curve = [r for r in read_jsonl(out / "sft" / "sft_metrics.jsonl") if "sft/heldout_loss" in r]
     assert curve[-1]["sft/heldout_loss"] < curve[0]["sft/heldout_loss"], curve

@@ -109,3 +109,31 @@ def test_import_trajectories_writes_a_file_sft_reads(tmp_path):
                            str(tmp_path / "x.parquet")], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and done.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "record 0" in done.stderr and not (tmp_path / "x.parquet").exists()
+
+
+def test_a_noisy_oracle_leaves_its_random_turns_out_of_the_loss(tmp_path):
+    """`omrl collect --noise`: some turns are the random policy's, in the episode as context but
+    outside the loss mask, and the file still re-tokenises to its own tokens and mask."""
+    model = omrl("init-model", str(tmp_path / "model")).stdout.strip().splitlines()[-1]
+    out = tmp_path / "noisy.parquet"
+    settings = ["actor.chat_template=\"none\""]
+    omrl("collect", "--env", "letters", "--episodes", "24", "--out", str(out), "--model", model, "--noise", "0.5",
+         "--seed", "3", "--set", settings[0])
+    rows = read_episodes(out)
+    gpt = [turn for r in rows for turn in r["conversations"] if turn["from"] == "gpt"]
+    untrained = [turn for turn in gpt if not turn["loss"]]
+    assert 0.25 * len(gpt) < len(untrained) < 0.75 * len(gpt), (len(untrained), len(gpt))
+
+    from transformers import AutoTokenizer
+
+    from common.config import load_config
+
+    cfg = load_config(None, settings)
+    fmt = make_format(AutoTokenizer.from_pretrained(model), cfg.actor.chat_template, cfg.actor.stop)
+    for r in rows:
+        assert tokenize(fmt, r["conversations"]) == (r["tokens"], r["loss_mask"])
+        trained = [turn for turn in r["conversations"] if turn["from"] == "gpt" and turn["loss"]]
+        assert sum(r["loss_mask"]) == sum(len(fmt.agent_turn(turn["value"])) for turn in trained)
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "collect", "--env", "letters", "--episodes", "2", "--out",
+                           str(tmp_path / "x.parquet"), "--noise", "1.5"], capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and "noise must be in [0, 1)" in done.stderr

@@ -27,7 +27,7 @@ def test_textcraft_holds_out_a_share_of_every_depth_and_the_seed_picks_which(tmp
 
     demo = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "a")))
     depths = goal_depths()
-    train = [g for tr, _te in demo.strata.values() for g in tr]
+    train = [g for tr, _te in demo.strata.values() for g in tr if g < GOALS]  # variant 0 of each train goal
     test = [g for _tr, te in demo.strata.values() for g in te]
     assert sorted(train + test) == list(range(GOALS)) and not set(train) & set(test)
     assert len(test) == 144
@@ -35,17 +35,17 @@ def test_textcraft_holds_out_a_share_of_every_depth_and_the_seed_picks_which(tmp
     for depth, n in counts.items():
         assert held[depth] >= 1 and abs(held[depth] - 144 * n / GOALS) < 1, (depth, held[depth], n)
     for key, (tr, te) in demo.strata.items():
-        assert {depths[g] for g in tr + te} == {int(key)}
+        assert {depths[g % GOALS] for g in tr + te} == {int(key)}
     assert demo.rl_strata == list(demo.strata)  # RL trains on every depth's train goals
     again = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "b")))
     other = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "c"), "--split-seed", "1"))
     assert again.strata == demo.strata and other.strata != demo.strata
-    assert demo.args.eval_samples == 8 and demo.args.episodes == 0  # the recipe's defaults
+    assert demo.args.eval_samples == 8 and demo.args.episodes == 0 and demo.args.variants == 10  # the defaults
     # Variants: each train goal again among other distractors (task g + 544 v); the held-out
     # goals are played as AgentGym's tasks.
     three = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "d"), "--variants", "3"))
     for key, (tr, te) in three.strata.items():
-        goals = demo.strata[key][0]
+        goals = [g for g in demo.strata[key][0] if g < GOALS]
         assert tr == [g + GOALS * v for v in range(3) for g in goals] and te == demo.strata[key][1]
     with pytest.raises(SystemExit, match="--variants takes 1 or more"):
         demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "e"), "--variants", "0"))
