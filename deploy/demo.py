@@ -8,7 +8,9 @@ turn caps, the model's shape, the stages' defaults):
                   training); TextCraft's 544 goals by the depth of their recipe tree, a held-out
                   share of every depth (144 goals in all: goals never crafted in training)
     2. model      a Qwen2 from scratch with a word tokenizer learned from the env's text
-    3. collect    the oracle's episodes on the train split (`omrl collect`)
+    3. collect    the oracle's episodes on the train split (`omrl collect`); TextCraft's with a
+                  fifth of the turns random and left out of the loss (`--collect-noise`), so
+                  they show recovering from mistakes, over 10 variants of each train goal
     4. sft        supervised fine-tuning on them (`omrl sft`), with a held-out success curve
     5. before     the SFT model plays each stratum's held-out tasks greedily; with
                   --eval-samples K (TextCraft: 8) also K sampled episodes a task at temperature 1:
