@@ -75,17 +75,20 @@ MODEL = ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "
 BABYAI = Recipe("babyai", "level", {"max_turns": 10, "max_tokens": 16, "max_seq_len": 2048, "action_template": "raw"},
                 MODEL,
                 {"levels": "1,4,5", "rl_levels": "5", "train_seeds": 4000, "episodes": 4000, "eval_episodes": 1000,
-                 "eval_samples": 0, "collect_noise": 0.0, "sft_epochs": 2.0, "sft_eval_start": True, "sft_lr": 1e-3, "sft_batch_size": 32,
-                 "sft_eval_episodes": 200, "rl_steps": 60},
+                 "eval_samples": 0, "collect_noise": 0.0, "sft_epochs": 2.0, "sft_eval_start": True, "sft_lr": 1e-3,
+                 "sft_batch_size": 32, "sft_eval_episodes": 200, "rl_steps": 60},
                 ("levels", "rl_levels", "train_seeds", "eval_episodes"))
-# TextCraft: the oracle takes 2 turns at depth 1 on average, 5 at 2, 11 at 3 (48 at most), 19 at 4;
-# a first observation is 132 words on average, 695 at most; an action 22 words at most.
+# TextCraft: the oracle takes 2 turns at depth 1 on average, 5 at 2, 11 at 3 (48 at most), 19 at 4,
+# and more than 30 on 2 goals of 544 (so 30 turns: a failing episode played to the cap costs most);
+# a first observation is 132 words on average, 695 at most; an action 22 words at most. The CPU's
+# default KV cache (64 MB, about 21,000 tokens of this model) made vLLM preempt 64 such episodes
+# over and over: 512 MB (docs/results/textcraft-demo.md).
 TEXTCRAFT = Recipe("textcraft", "depth", {"max_turns": 30, "max_tokens": 40, "max_seq_len": 4096,
                                           "action_template": "raw", "kv_cache_mb": 512},
                    MODEL,
-                   {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "collect_noise": 0.2, "sft_epochs": 2.0,
-                    "sft_eval_start": False,
-                    "sft_lr": 1e-3, "sft_batch_size": 16, "sft_eval_episodes": 48, "rl_steps": 60, "variants": 10},
+                   {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "collect_noise": 0.2,
+                    "sft_epochs": 2.0, "sft_eval_start": False, "sft_lr": 1e-3, "sft_batch_size": 16,
+                    "sft_eval_episodes": 48, "rl_steps": 60, "variants": 10},
                    ("test_goals", "split_seed", "variants"))
 RECIPES = {r.env: r for r in (BABYAI, TEXTCRAFT)}
 STAGES = ("tasks", "model", "collect", "sft", "before")  # then "rl" and "after" for each seed
@@ -118,7 +121,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                                          "turn)")
     p.add_argument("--sft-eval-start", action=argparse.BooleanOptionalAction,
                    help="the SFT curve's point before training (babyai yes; textcraft no: an untrained model plays "
-                        "all 50 turns of every goal)")
+                        "all 30 turns of every goal)")
     p.add_argument("--rl-steps", type=int, help="learner steps of the RL stage (60)")
     p.add_argument("--seeds", type=int, default=1, help="RL stages from the same SFT model, each with its seed and "
                                                         "its evaluation after (default 1)")
