@@ -57,7 +57,7 @@ class ServerPolicy:
     async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None) -> Turn:
         env = self.setup.env
         noisy = self.kind == "oracle" and self.rng.random() < self.noise
-        action = await (env.oracle_action(env_id) if self.kind == "oracle" and not noisy else env.random_action(env_id))
+        action = await (env.random_action(env_id) if noisy or self.kind == "random" else env.oracle_action(env_id))
         ids = self.setup.format.agent_turn(action)
         return Turn(Generation(ids, [0.0] * len(ids), "stop"), -1, action=action, trained=not noisy)
 

@@ -194,9 +194,8 @@ def split(recipe: Recipe, args: argparse.Namespace) -> tuple[dict[str, tuple[lis
     rng, strata = random.Random(args.split_seed), {}
     for depth, goals in sorted(by_depth.items()):
         goals = rng.sample(goals, len(goals))
-        held = quotas[depth]
-        train = [goal + GOALS * variant for variant in range(args.variants) for goal in sorted(goals[held:])]
-        strata[str(depth)] = (train, sorted(goals[:held]))
+        held, kept = goals[:quotas[depth]], sorted(goals[quotas[depth]:])
+        strata[str(depth)] = ([goal + GOALS * variant for variant in range(args.variants) for goal in kept], sorted(held))
     return strata, list(strata)
 
 
