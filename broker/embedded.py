@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from common import retry
+from common.liveness import die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +101,8 @@ class EmbeddedRedis:
 
     def start(self, timeout: float = 10.0) -> EmbeddedRedis:
         log.info("starting %s on port %d", self.binary, self.port)
-        self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self.proc = subprocess.Popen(self.command(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                     preexec_fn=die_with_parent)
         try:
             wait_until_up(self.port, self.proc, timeout)
         except RuntimeError:

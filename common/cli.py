@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from common.config import Config, ConfigError, dump_toml, load_config, toml_value
+from common.liveness import die_with_parent
 
 Preflight = Callable[[Config, bool], None]  # checks before a role starts: (config, show tracebacks)
 
@@ -84,7 +85,8 @@ def run_omrl(argv: list[str], log_path: Path, overrides: list[str] = (), timeout
     it stops itself (its engines, its processes) before going on; CommandFailed when it fails."""
     argv = [*argv, *[arg for kv in overrides for arg in ("--set", kv)]]
     with open(log_path, "w") as out:
-        child = subprocess.Popen([sys.executable, "-m", "deploy.cli", *argv], stdout=out, stderr=subprocess.STDOUT)
+        child = subprocess.Popen([sys.executable, "-m", "deploy.cli", *argv], stdout=out, stderr=subprocess.STDOUT,
+                                 preexec_fn=die_with_parent)
         try:
             code = child.wait(timeout)
         except (KeyboardInterrupt, subprocess.TimeoutExpired):

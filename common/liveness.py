@@ -16,13 +16,30 @@ is up: the time before its first beat (vLLM's start, loading a model) is bounded
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import ctypes.util
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 ENV = "OMRL_BEAT_FILE"
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+_prctl = getattr(ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True), "prctl", None) \
+    if sys.platform == "linux" else None
+
+
+def die_with_parent() -> None:
+    """For `subprocess.Popen(preexec_fn=...)`: the child gets SIGTERM when the process that
+    started it dies, however it dies (SIGKILL, the OOM killer, a test's timeout), and stops as
+    it would on SIGTERM, its own children with it. Without it a child started in a session of
+    its own (`omrl run`'s processes) outlives a killed parent and goes on using the CPU.
+    Linux only (prctl); elsewhere nothing. The parent must start the child from a thread that
+    lives as long as the child: the signal follows the thread that forked, not the process."""
+    if _prctl is not None:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
 
 
 def beat(path: str | Path | None = None) -> None:

@@ -88,8 +88,8 @@ TEXTCRAFT = Recipe("textcraft", "depth", {"max_turns": 30, "max_tokens": 40, "ma
                    MODEL,
                    {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "collect_noise": 0.2,
                     "sft_epochs": 2.0, "sft_eval_start": False, "sft_lr": 1e-3, "sft_batch_size": 16,
-                    "sft_eval_episodes": 48, "rl_steps": 60, "variants": 10},
-                   ("test_goals", "split_seed", "variants"))
+                    "sft_eval_episodes": 48, "rl_steps": 60, "variants": 10, "rl_depths": "1,2,3,4"},
+                   ("test_goals", "split_seed", "variants", "rl_depths"))
 RECIPES = {r.env: r for r in (BABYAI, TEXTCRAFT)}
 STAGES = ("tasks", "model", "collect", "sft", "before")  # then "rl" and "after" for each seed
 
@@ -106,6 +106,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--variants", type=int, help="textcraft: tasks a train goal, each with other distractor recipes "
                                                 "(task g + 544 v, v < N; the held-out goals are played as AgentGym's "
                                                 "tasks, v = 0) (10)")
+    p.add_argument("--rl-depths", help="textcraft: recipe depths whose train goals the RL stage trains on (default "
+                                       "1,2,3,4: all)")
     p.add_argument("--episodes", type=int, help="oracle episodes to fine-tune on (babyai 4000; textcraft: 0, "
                                                 "one per train goal)")
     p.add_argument("--eval-samples", type=int, help="sampled episodes per held-out task besides the greedy one, "
@@ -175,7 +177,7 @@ def make_demo(args: argparse.Namespace) -> Demo:
 def split(recipe: Recipe, args: argparse.Namespace) -> tuple[dict[str, tuple[list[int], list[int]]], list[str]]:
     """{stratum: (train task ids, test task ids)}, and the strata the RL stage trains on."""
     if recipe is BABYAI:
-        levels, rl_levels = _levels(args.levels, "--levels"), _levels(args.rl_levels, "--rl-levels")
+        levels, rl_levels = _numbers(args.levels, "--levels", 1, 40), _numbers(args.rl_levels, "--rl-levels", 1, 40)
         if not set(rl_levels) <= set(levels):
             raise SystemExit(f"error: --rl-levels {rl_levels} must be among --levels {levels}")
         test = range(TEST_SEEDS, TEST_SEEDS + args.eval_episodes)
@@ -196,7 +198,8 @@ def split(recipe: Recipe, args: argparse.Namespace) -> tuple[dict[str, tuple[lis
         goals = rng.sample(goals, len(goals))
         held, kept = goals[:quotas[depth]], sorted(goals[quotas[depth]:])
         strata[str(depth)] = ([goal + GOALS * variant for variant in range(args.variants) for goal in kept], sorted(held))
-    return strata, list(strata)
+    rl_depths = [str(depth) for depth in _numbers(args.rl_depths, "--rl-depths", 1, max(by_depth))]
+    return strata, rl_depths
 
 
 def shares(total: int, sizes: dict[int, int]) -> dict[int, int]:
@@ -229,14 +232,15 @@ def seed_overrides(seed: int) -> list[str]:
     return [override("learner.seed", seed), override("actor.seed", 100 * seed)]
 
 
-def _levels(text: str, flag: str) -> list[int]:
+def _numbers(text: str, flag: str, low: int, high: int) -> list[int]:
+    """A flag's comma-separated numbers (BabyAI's levels, TextCraft's depths), sorted, each in low-high."""
     try:
-        levels = sorted({int(x) for x in text.split(",") if x.strip()})
+        numbers = sorted({int(x) for x in text.split(",") if x.strip()})
     except ValueError:
-        raise SystemExit(f"error: {flag} takes level numbers 1-40 separated by commas, got {text!r}") from None
-    if not levels or not all(1 <= x <= 40 for x in levels):
-        raise SystemExit(f"error: {flag} takes level numbers 1-40, got {text!r}")
-    return levels
+        raise SystemExit(f"error: {flag} takes numbers {low}-{high} separated by commas, got {text!r}") from None
+    if not numbers or not all(low <= x <= high for x in numbers):
+        raise SystemExit(f"error: {flag} takes numbers {low}-{high}, got {text!r}")
+    return numbers
 
 
 def task_ids(levels: list[int], seeds: range) -> list[int]:

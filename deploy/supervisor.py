@@ -32,7 +32,7 @@ from common.cli import config_from_args, log_config
 from common.config import Config, SupervisorConfig, dump_toml
 from common.files import write_atomic
 from common.liveness import ENV as BEAT_ENV
-from common.liveness import beat, last_beat
+from common.liveness import beat, die_with_parent, last_beat
 from common.logs import setup_logging
 from common.retry import wait_http
 
@@ -72,7 +72,8 @@ class Process:
         self.started_wall = time.time()
         with open(self.log_path, "ab") as out:
             self.proc = subprocess.Popen(self.args, stdout=subprocess.PIPE if self.echo else out,
-                                         stderr=subprocess.STDOUT, start_new_session=True, env=env)
+                                         stderr=subprocess.STDOUT, start_new_session=True, env=env,
+                                         preexec_fn=die_with_parent)
         if self.echo:
             self.teeing = threading.Thread(target=self._tee, args=(self.proc.stdout,), daemon=True)
             self.teeing.start()

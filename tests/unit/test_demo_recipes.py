@@ -37,6 +37,10 @@ def test_textcraft_holds_out_a_share_of_every_depth_and_the_seed_picks_which(tmp
     for key, (tr, te) in demo.strata.items():
         assert {depths[g % GOALS] for g in tr + te} == {int(key)}
     assert demo.rl_strata == list(demo.strata)  # RL trains on every depth's train goals
+    shallow = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "f"), "--rl-depths", "2,1"))
+    assert shallow.rl_strata == ["1", "2"] and shallow.strata == demo.strata
+    with pytest.raises(SystemExit, match="--rl-depths takes numbers 1-4"):
+        demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "g"), "--rl-depths", "5"))
     again = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "b")))
     other = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "c"), "--split-seed", "1"))
     assert again.strata == demo.strata and other.strata != demo.strata
@@ -56,6 +60,8 @@ def test_each_recipe_refuses_the_others_flags(tmp_path):
         demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path), "--levels", "1"))
     with pytest.raises(SystemExit, match="--test-goals is not a flag of the babyai recipe"):
         demo_mod.make_demo(args_of("babyai", "--out", str(tmp_path), "--test-goals", "10"))
+    with pytest.raises(SystemExit, match="--rl-depths is not a flag of the babyai recipe"):
+        demo_mod.make_demo(args_of("babyai", "--out", str(tmp_path), "--rl-depths", "1"))
     with pytest.raises(SystemExit, match="--test-goals takes 1-543"):
         demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path), "--test-goals", "544"))
     babyai = demo_mod.make_demo(args_of("babyai", "--out", str(tmp_path), "--levels", "1,4", "--rl-levels", "4",
