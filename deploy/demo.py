@@ -221,6 +221,13 @@ def shares(total: int, sizes: dict[int, int]) -> dict[int, int]:
     return parts
 
 
+def interleave(lists: list[list[int]]) -> list[int]:
+    """The lists' items in one list whose every prefix takes from each list in proportion to its
+    length (lists of one length: round robin), each list's order kept."""
+    ranked = sorted((i / len(items), k, item) for k, items in enumerate(lists) for i, item in enumerate(items))
+    return [item for _position, _k, item in ranked]
+
+
 def seed_names(seed: int) -> tuple[str, str]:
     """The RL stage's and its evaluation's names for a seed (its run directory, its results)."""
     return ("rl", "after") if seed == 0 else (f"rl-seed{seed}", f"after-seed{seed}")
@@ -307,9 +314,11 @@ class Demo:
 
     # -- stages ----------------------------------------------------------------------
     def tasks(self) -> None:
+        # Interleaved: `omrl collect --episodes N` plays the first N train tasks and SFT's curve
+        # the first held-out ones, so every prefix holds each stratum in proportion.
         for name, keys in (("all", list(self.strata)), ("rl", self.rl_strata)):
-            write_tasks(self.out / "tasks" / name, self.env, [t for k in keys for t in self.strata[k][0]],
-                        [t for k in keys for t in self.strata[k][1]])
+            write_tasks(self.out / "tasks" / name, self.env, interleave([self.strata[k][0] for k in keys]),
+                        interleave([self.strata[k][1] for k in keys]))
         for key, (train, test) in self.strata.items():
             write_tasks(self.stratum_dir(key), self.env, train, test)
         (self.out / "config.toml").write_text(to_toml({"env": {"name": self.env}, "actor": self.recipe.actor}))

