@@ -39,6 +39,7 @@ pytestmark = [pytest.mark.docker, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 OPEN_ENDED = 100_000  # the learner's step count until the events are done
 MORE_STEPS = 10  # then: where it is, plus these
+CALL_S = 600  # the most one compose command may take
 FAILURE_REASONS = {"actor_lost", "cancelled"}  # a killed replica's groups, a removed one's
 
 
@@ -72,13 +73,16 @@ class Compose:
         self.cmd = [*compose_command(), "-p", self.name, "-f", str(ROOT / "docker-compose.yml"), "-f",
                     str(self.override)]
         self.env = {**os.environ, "OMRL_CONFIG": str(tmp / "run.toml"), "OMRL_REDIS_IMAGE": "omrl-redis:7",
-                    "COMPOSE_PROFILES": "cpu", "OMRL_EVAL_EVERY": "0"}  # the evaluator: tests/e2e/test_omrl_run.py
+                    "COMPOSE_PROFILES": "cpu", "OMRL_EVAL_EVERY": "0",  # the evaluator: tests/e2e/test_omrl_run.py
+                    # docker-compose's wait on the engine (60 s by default) ran out creating the actors
+                    # while the other test worker kept the machine busy; the call's timeout bounds it.
+                    "COMPOSE_HTTP_TIMEOUT": str(CALL_S - 60)}
         self.t0 = time.monotonic()
         self.timeline: list[str] = []
 
     def __call__(self, *args: str, check: bool = True) -> str:
         proc = subprocess.run([*self.cmd, *args], cwd=ROOT, env=self.env, capture_output=True, text=True,
-                              timeout=300)
+                              timeout=CALL_S)
         if check and proc.returncode != 0:
             raise AssertionError(f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}")
         return proc.stdout
