@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from deploy.supervisor import learner_launcher
@@ -44,6 +45,7 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k] - b[k]).abs().max()) for k in a)
 
 
+@pytest.mark.slow
 def test_ddp_and_fsdp2_match_one_rank_and_resume_across_rank_counts(tiny_model, tmp_path):
     from common.models import load_causal_lm
 

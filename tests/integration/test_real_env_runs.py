@@ -17,7 +17,7 @@ from common.metrics import read_jsonl
 from tests.budget import patience
 
 ENVS = [
-    pytest.param("textcraft", "textcraft", marks=pytest.mark.textcraft),
+    pytest.param("textcraft", "textcraft", marks=[pytest.mark.textcraft, pytest.mark.slow]),
     pytest.param("sciworld", "scienceworld", marks=[pytest.mark.sciworld, pytest.mark.slow]),
 ]
 
