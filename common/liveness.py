@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
-import ctypes.util
 import os
 import signal
 import sys
@@ -27,8 +26,8 @@ from pathlib import Path
 
 ENV = "OMRL_BEAT_FILE"
 _PR_SET_PDEATHSIG = 1  # linux/prctl.h
-_prctl = getattr(ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True), "prctl", None) \
-    if sys.platform == "linux" else None
+# libc's prctl, found before any fork (the symbols this Python is linked with: no ldconfig run)
+_prctl = getattr(ctypes.CDLL(None, use_errno=True), "prctl", None) if sys.platform == "linux" else None
 
 
 def die_with_parent() -> None:
