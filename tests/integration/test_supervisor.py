@@ -17,6 +17,7 @@ import pytest
 
 from common.config import SupervisorConfig
 from deploy.supervisor import Process, Supervisor, stop_all
+from tests.procs import alive
 
 
 def python(tmp_path, name: str, code: str) -> Process:
@@ -127,22 +128,9 @@ sys.exit(1)  # dies; its child (think vLLM's engine process) would live on
     assert run_until(supervisor) == 1
     child = int(pid_file.read_text())
     deadline = time.monotonic() + 5
-    while _alive(child) and time.monotonic() < deadline:
+    while alive(child) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not _alive(child)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split()[2] != "Z"
-    except FileNotFoundError:
-        return False
-    finally:
-        try:
-            os.waitpid(pid, os.WNOHANG)
-        except ChildProcessError:
-            pass
+    assert not alive(child)
 
 
 BEATING = """
@@ -179,7 +167,7 @@ def test_a_process_that_stops_making_progress_is_killed_and_restarted_within_han
             while actor.starts < 2 and time.monotonic() < deadline:
                 assert supervisor.check() is None
                 time.sleep(0.02)
-        assert actor.starts == 2 and actor.proc.pid != first and not _alive(first)
+        assert actor.starts == 2 and actor.proc.pid != first and not alive(first)
         killed = next(r.created for r in caplog.records if "actor0 made no progress for" in r.getMessage())
         assert 1.0 <= killed - last < 2.5  # hang_s after its last beat, give or take the check's period
         assert "supervisor.hang_s = 1" in caplog.text

@@ -15,6 +15,7 @@ import pytest
 
 from broker.embedded import free_port
 from common.liveness import ENV as BEAT_ENV
+from tests.procs import alive
 
 
 def watch(tmp_path, port: int, *extra: str) -> subprocess.Popen:
@@ -41,14 +42,6 @@ def role_pid(watcher: int) -> int:
     return int(children[0])
 
 
-def gone(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ", 1)[1].startswith("Z")  # a zombie is gone too
-    except FileNotFoundError:
-        return True
-
-
 @pytest.mark.parametrize("seed", [0, 1])
 def test_a_hung_role_is_killed_and_watch_exits_1_within_hang_s(tmp_path, seed):
     rng = random.Random(seed)
@@ -68,7 +61,7 @@ def test_a_hung_role_is_killed_and_watch_exits_1_within_hang_s(tmp_path, seed):
         assert proc.returncode == 1, out
         assert 2.0 <= ended - last < 4.5, (ended - last, out)
         assert "env-server made no progress for" in out and "supervisor.hang_s = 2" in out
-        assert gone(role)
+        assert not alive(role)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -84,7 +77,7 @@ def test_sigterm_stops_the_role_and_watch_exits_with_its_code(tmp_path):
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
         assert proc.returncode == 0, out
-        assert "passing SIGTERM on to env-server" in out and gone(role)
+        assert "passing SIGTERM on to env-server" in out and not alive(role)
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from common import liveness
+from tests.procs import alive
 
 
 def test_the_health_check_reads_the_beat_file(tmp_path, monkeypatch, capsys):
@@ -55,10 +56,3 @@ def test_a_child_started_with_die_with_parent_stops_when_its_parent_is_killed():
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
-
-def alive(pid: int) -> bool:
-    """Whether `pid` still runs (a zombie, reaped by init soon, counts as gone)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
-    except (FileNotFoundError, IndexError):
-        return False
