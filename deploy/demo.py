@@ -74,7 +74,7 @@ class Recipe:
 MODEL = ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "384")  # 0.76M parameters
 BABYAI = Recipe("babyai", "level", {"max_turns": 10, "max_tokens": 16, "max_seq_len": 2048, "action_template": "raw"},
                 MODEL,
-                {"levels": "1,4,5", "rl_levels": "5", "train_seeds": 4000, "episodes": 4000, "eval_episodes": 1000,
+                {"levels": "1,4,5", "rl_levels": "1,5", "train_seeds": 4000, "episodes": 4000, "eval_episodes": 1000,
                  "eval_samples": 0, "collect_noise": 0.0, "sft_epochs": 2.0, "sft_eval_start": True, "sft_lr": 1e-3,
                  "sft_batch_size": 32, "sft_eval_episodes": 200, "rl_steps": 60},
                 ("levels", "rl_levels", "train_seeds", "eval_episodes"))
@@ -98,7 +98,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("recipe", choices=tuple(RECIPES), help="the recipe")
     p.add_argument("--out", help="where everything goes (default runs/demo-RECIPE)")
     p.add_argument("--levels", help="babyai: BabyAI levels (1-40) of the data and the evaluation (default 1,4,5)")
-    p.add_argument("--rl-levels", help="babyai: levels the RL stage trains on (default 5: GoToLocal)")
+    p.add_argument("--rl-levels", help="babyai: levels the RL stage trains on (default 1,5: GoToRedBallGrey and "
+                   "GoToLocal, about half the groups each)")
     p.add_argument("--train-seeds", type=int, help="babyai: seeds 0..N-1 of each level form the train split (4000)")
     p.add_argument("--eval-episodes", type=int, help="babyai: held-out episodes per level, before and after (1000)")
     p.add_argument("--test-goals", type=int, help="textcraft: held-out goals, a share of every depth (144 of 544)")
