@@ -301,6 +301,12 @@ class LearnerConfig(Section):
     None: unclipped)."""
     gigpo_step_weight: float = Field(1.0, ge=0)
     """gigpo: weight of the step-level advantages added to the episode-level ones."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean"] = "token-mean"
+    """How the policy loss weighs the samples. token-mean: every trained token alike, so a long sample
+    outweighs a short one (a failed episode played to the turn cap, a short success);
+    seq-mean-token-mean (verl's name): every trained sample alike, its advantages scaled by the
+    batch's mean trained tokens a sample over its own. The group estimators but drgrpo (whose
+    token sum over a constant is the point) only."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of a KL penalty to the frozen starting model (0: off, no reference kept). The reference is
     kept in the compute's precision (bf16 under learner.precision = "bf16"), sharded under fsdp2."""
@@ -544,6 +550,9 @@ class Config(Section):
             raise ValueError(
                 f"learner.dedup_window must cover the groups that can be pending or waiting in the streams "
                 f"({pending + self.redis.max_stream_len * self.redis.shards}): raise learner.dedup_window")
+        if lcfg.loss_agg != "token-mean" and lcfg.algorithm in ("ppo", "drgrpo"):
+            raise ValueError(f"learner.loss_agg = {lcfg.loss_agg!r} works with grpo, rloo, reinforce and gigpo, not "
+                             f"{lcfg.algorithm}: set learner.loss_agg = \"token-mean\" or another learner.algorithm")
         if lcfg.mode == "async" and lcfg.eta < lcfg.publish_every - 1:
             raise ValueError(f"learner.eta ({lcfg.eta}) must be at least learner.publish_every - 1 "
                              f"({lcfg.publish_every - 1}): eta counts optimizer steps, and weights published every "

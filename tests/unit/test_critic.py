@@ -149,3 +149,20 @@ def test_an_agents_segments_share_their_episodes_advantage_and_travel_with_its_i
         decode_group(encode_group(group))
     loose = multi_turn_group(rng, EPISODES[:2])  # the episode loop's samples: an episode each
     assert loose.episodes() == [-1, -2] and len(loose.rewards) == 2
+
+
+def test_seq_mean_token_mean_weighs_a_long_failure_and_a_short_success_alike():
+    """Token-mean: a failed episode of 4 turns carries twice the advantage mass of a success of 2;
+    seq-mean-token-mean scales each sample so their masses are equal and opposite, the token-mean
+    loss over the batch then being the mean over samples of each sample's token mean."""
+    rng = np.random.default_rng(0)
+    group = multi_turn_group(rng, [([0.0, 1.0], ["a", "b"]), ([0.0, 0.0, 0.0, 0.0], ["a", "b", "c", "d"])])
+    mass = lambda batch: (batch.advantages * batch.loss_mask).sum(1)  # noqa: E731
+    plain, even = collate([group], "grpo"), collate([group], "grpo", loss_agg="seq-mean-token-mean")
+    assert float(mass(plain)[0]) == pytest.approx(-0.5 * float(mass(plain)[1]))  # 6 tokens against 12
+    a = float(plain.advantages[0].max())  # GRPO's advantage of the success, on each of its tokens
+    np.testing.assert_allclose(mass(even).numpy(), [9 * a, -9 * a], rtol=1e-5)  # each as if 9 tokens, the mean
+    torch.testing.assert_close(even.advantages[0] * 6 / 9, plain.advantages[0])
+    assert float(mass(even).sum()) == pytest.approx(0.0, abs=1e-5)  # GRPO's group: as much pushed up as down
+    with pytest.raises(ValueError, match="loss_agg"):
+        Config(learner=LearnerConfig(algorithm="drgrpo", loss_agg="seq-mean-token-mean"))
