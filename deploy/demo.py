@@ -87,7 +87,7 @@ TEXTCRAFT = Recipe("textcraft", "depth", {"max_turns": 30, "max_tokens": 40, "ma
                                           "action_template": "raw", "kv_cache_mb": 512},
                    MODEL,
                    {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "collect_noise": 0.2,
-                    "sft_epochs": 2.0, "sft_eval_start": False, "sft_lr": 1e-3, "sft_batch_size": 16,
+                    "sft_epochs": 4.0, "sft_eval_start": False, "sft_lr": 1e-3, "sft_batch_size": 16,
                     "sft_eval_episodes": 48, "rl_steps": 60, "variants": 10, "rl_depths": "1,2,3,4"},
                    ("test_goals", "split_seed", "variants", "rl_depths"))
 RECIPES = {r.env: r for r in (BABYAI, TEXTCRAFT)}
