@@ -167,11 +167,11 @@ class Actor:
                         tg.create_task(receive_weights(self.store, self.gate, self.engine.load_weights,
                                                        cfg.actor.weight_poll_s, self.stop, self.retry, self.link))
                     tg.create_task(self._progress())
-                    tg.create_task(self._write_metrics())
                     tg.create_task(self._heartbeat())
                     tg.create_task(self._watch_env())
                     flusher = tg.create_task(self.producer.run())  # if it fails, the actor fails
                     loops = [tg.create_task(self._group_loop()) for _ in range(cfg.actor.concurrent_groups)]
+                    tg.create_task(self._write_metrics(loops))
                     tg.create_task(self._drain(loops, flusher))
                 await self.env.close_kept()  # the instances kept for episodes that will not come
                 if gateway is not None:
@@ -328,12 +328,16 @@ class Actor:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.stop.wait(), self.cfg.actor.heartbeat_s)
 
-    async def _write_metrics(self) -> None:
+    async def _write_metrics(self, loops: list[asyncio.Task]) -> None:
         """Counters every actor.metrics_s to RUN_DIR/actors/NAME.jsonl (wall-clock `time`, so
-        they line up with the learner's metrics.jsonl)."""
+        they line up with the learner's metrics.jsonl), and once more when the drain has ended the
+        group loops: the last line holds the final counts, however short the run."""
         sink = JsonlSink(os.path.join(self.cfg.run.run_dir, "actors", f"{self.name}.jsonl"))
         try:
-            while not self.stop.is_set():
+            while True:
+                stopped = self.stop.is_set()
+                if stopped and loops:
+                    await asyncio.wait(loops)
                 sink.write({"time": time.time(), "actor/generating_s": self.gate.generating_s,
                             "actor/updates": self.gate.applied, "actor/update_s": self.gate.update_s,
                             "actor/update_blocked_s": self.gate.blocked_s,
@@ -342,6 +346,8 @@ class Actor:
                             "actor/weight_version": self.gate.version, "actor/in_flight_episodes": self.in_flight,
                             "actor/waited_on_tickets_s": self.admission.waited_s,
                             **({f"actor/agent_{k}": v for k, v in self.rollouts.counts.items()} if self.rollouts else {})})
+                if stopped:
+                    return
                 with contextlib.suppress(asyncio.TimeoutError):
                     await asyncio.wait_for(self.stop.wait(), self.cfg.actor.metrics_s)
         finally:

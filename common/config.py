@@ -307,6 +307,11 @@ class LearnerConfig(Section):
     seq-mean-token-mean (verl's name): every trained sample alike, its advantages scaled by the
     batch's mean trained tokens a sample over its own. The group estimators but drgrpo (whose
     token sum over a constant is the point) only."""
+    negative_weight: float = Field(1.0, ge=0, le=1)
+    """The weight of negative advantages in the policy loss (each token's, after the estimator): 1
+    as the estimator gives them; 0 learns only from the samples better than their group's baseline
+    (positive-sample reinforcement: it sharpens the policy where failures' gradients spread its mass
+    over other tokens). Between: both, the failures' push weaker. The group estimators only."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of a KL penalty to the frozen starting model (0: off, no reference kept). The reference is
     kept in the compute's precision (bf16 under learner.precision = "bf16"), sharded under fsdp2."""
@@ -553,6 +558,10 @@ class Config(Section):
         if lcfg.loss_agg != "token-mean" and lcfg.algorithm in ("ppo", "drgrpo"):
             raise ValueError(f"learner.loss_agg = {lcfg.loss_agg!r} works with grpo, rloo, reinforce and gigpo, not "
                              f"{lcfg.algorithm}: set learner.loss_agg = \"token-mean\" or another learner.algorithm")
+        if lcfg.negative_weight != 1.0 and lcfg.algorithm == "ppo":
+            raise ValueError(f"learner.negative_weight = {lcfg.negative_weight:g} works with the group estimators, "
+                             f"not ppo (its advantages come from the critic): set learner.negative_weight = 1.0 "
+                             f"or another learner.algorithm")
         if lcfg.mode == "async" and lcfg.eta < lcfg.publish_every - 1:
             raise ValueError(f"learner.eta ({lcfg.eta}) must be at least learner.publish_every - 1 "
                              f"({lcfg.publish_every - 1}): eta counts optimizer steps, and weights published every "

@@ -76,13 +76,15 @@ class MicroBatch:
 
 
 def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0, stale: list[bool] | None = None,
-            gamma: float = 1.0, step_weight: float = 1.0, loss_agg: str = "token-mean") -> Batch:
+            gamma: float = 1.0, step_weight: float = 1.0, loss_agg: str = "token-mean",
+            negative_weight: float = 1.0) -> Batch:
     """Padded tensors of the groups' samples, with each token's advantage by `algorithm`
     (learner.algorithm); samples of groups without signal get loss mask 0. `stale`: per sample,
     whether some token came from weights older than the learner's (None: none did); `gamma`,
     `step_weight`: GiGPO's discount and weight of its step-level advantages; `loss_agg`
     "seq-mean-token-mean": each trained sample's advantages scaled by the batch's mean trained
-    tokens a sample over its own, so that the token-mean loss weighs every sample alike. With a critic (ppo)
+    tokens a sample over its own, so that the token-mean loss weighs every sample alike;
+    `negative_weight`: the factor on each negative advantage (learner.negative_weight). With a critic (ppo)
     the advantages are left at 0 for the trainer."""
     samples = [s for g in groups for s in g.samples]
     T = max(len(s.tokens) for s in samples)
@@ -124,6 +126,8 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
     generated[:, 0] = 0  # the first token has no prediction: always context
     loss_mask[:, 0] = 0
     advantages[:, 0] = 0
+    if negative_weight != 1.0:
+        advantages = torch.where(advantages < 0, advantages * negative_weight, advantages)
     if loss_agg == "seq-mean-token-mean":
         per_sample = loss_mask.sum(1)
         trained = per_sample > 0

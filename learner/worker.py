@@ -106,7 +106,8 @@ class Learner:
         lcfg = self.cfg.learner
         groups = [g if isinstance(g, RolloutGroup) else decode_group(g) for g in payload["groups"]]
         batch = collate(groups, lcfg.algorithm, stale=payload["stale"],
-                        gamma=lcfg.gamma, step_weight=lcfg.gigpo_step_weight, loss_agg=lcfg.loss_agg)
+                        gamma=lcfg.gamma, step_weight=lcfg.gigpo_step_weight, loss_agg=lcfg.loss_agg,
+                        negative_weight=lcfg.negative_weight)
         return self.trainer.train_step(batch), batch
 
     def _op_weights(self, _=None) -> str | Packed | None:

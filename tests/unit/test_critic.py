@@ -166,3 +166,19 @@ def test_seq_mean_token_mean_weighs_a_long_failure_and_a_short_success_alike():
     assert float(mass(even).sum()) == pytest.approx(0.0, abs=1e-5)  # GRPO's group: as much pushed up as down
     with pytest.raises(ValueError, match="loss_agg"):
         Config(learner=LearnerConfig(algorithm="drgrpo", loss_agg="seq-mean-token-mean"))
+
+
+def test_negative_weight_scales_the_failures_push_and_leaves_the_successes():
+    """negative_weight 0: only the success's tokens carry an advantage (positive-sample
+    reinforcement); 0.5: the failures' advantages halved; the successes' unchanged in both."""
+    rng = np.random.default_rng(0)
+    group = multi_turn_group(rng, [([0.0, 1.0], ["a", "b"]), ([0.0, 0.0, 0.0, 0.0], ["a", "b", "c", "d"])])
+    plain = collate([group], "grpo")
+    assert float(plain.advantages[1].min()) < 0 < float(plain.advantages[0].max())
+    for w in (0.0, 0.5):
+        weighted = collate([group], "grpo", negative_weight=w)
+        torch.testing.assert_close(weighted.advantages[0], plain.advantages[0])
+        torch.testing.assert_close(weighted.advantages[1], w * plain.advantages[1])
+        torch.testing.assert_close(weighted.loss_mask, plain.loss_mask)
+    with pytest.raises(ValueError, match="negative_weight"):
+        Config(learner=LearnerConfig(algorithm="ppo", negative_weight=0.0))
