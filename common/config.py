@@ -310,8 +310,8 @@ class LearnerConfig(Section):
     negative_weight: float = Field(1.0, ge=0, le=1)
     """The weight of negative advantages in the policy loss (each token's, after the estimator): 1
     as the estimator gives them; 0 learns only from the samples better than their group's baseline
-    (positive-sample reinforcement: it sharpens the policy where failures' gradients spread its mass
-    over other tokens). Between: both, the failures' push weaker. The group estimators only."""
+    (positive-sample reinforcement). Between: both, the failures' push weaker. The group estimators
+    only. On TextCraft it did not beat full GRPO (docs/results/textcraft-demo.md, section 7)."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of a KL penalty to the frozen starting model (0: off, no reference kept). The reference is
     kept in the compute's precision (bf16 under learner.precision = "bf16"), sharded under fsdp2."""
