@@ -23,7 +23,8 @@ from common.cli import override
 from common.config import Config
 
 STEPS, REPEATS = 100, 3
-QUICK = {"steps": 4, "eval_every": 2, "eval_tasks": 4}
+# quick: a smoke run of the code, one actor a run (each actor starts a vLLM engine)
+QUICK = {"steps": 4, "eval_every": 2, "eval_tasks": 4, "actors": 1}
 SETTINGS = ["run.log_level=WARNING", "run.plot_every_s=0"]
 
 
@@ -47,6 +48,8 @@ def run(quick: bool, device: str = "cpu") -> dict:
     on = [override("learner.eval_every", QUICK["eval_every"]), override("learner.eval_tasks", QUICK["eval_tasks"])] \
         if quick else []  # the defaults
     arms = {"evaluator": on, "none": [override("learner.eval_every", 0)]}
+    if quick:
+        arms = {arm: [*sets, override("actor.num_actors", QUICK["actors"])] for arm, sets in arms.items()}
     runs: dict[str, list[dict]] = {arm: [] for arm in arms}
     with tempfile.TemporaryDirectory(prefix="omrl-bench-evaluator-") as tmp:
         for rep in range(repeats):  # the two arms in turn: a slow spell falls on both

@@ -90,7 +90,8 @@ SEEDS = (0, 1, 2, 3, 4)
 STEPS = 80
 TARGET = 0.6  # trailing mean of reward/success to reach (fixed before the runs)
 SMOOTH = 8  # steps in that trailing mean, and in the plots'
-QUICK = {"arms": ("sync", "naive eta=4"), "seeds": (0,), "steps": 3}
+# quick: a smoke run of the code, one actor a run (each actor starts a vLLM engine)
+QUICK = {"arms": ("sync", "naive eta=4"), "seeds": (0,), "steps": 3, "actors": 1}
 
 
 def settings(arm: str, seed: int) -> list[str]:
@@ -158,7 +159,8 @@ def run(quick: bool, device: str = "cpu") -> dict:
                     continue
                 started = time.monotonic()
                 # quick: every step counts (a few steps of an untrained model may all score 0)
-                result = figures(omrl_run(Path(tmp), name, settings(arm, seed), steps),
+                sets = [*settings(arm, seed), *([override("actor.num_actors", QUICK["actors"])] if quick else [])]
+                result = figures(omrl_run(Path(tmp), name, sets, steps),
                                  steps if quick else max(1, steps // 5))
                 result.update(arm=arm, seed=seed, wall_s=time.monotonic() - started, commit=commit())
                 runs.append(result)

@@ -272,8 +272,9 @@ def test_ctrl_c_stops_every_process_and_two_ranks_resume_on_one(tmp_path):
     timeout a stage; the run then resumes from that checkpoint on 1 rank."""
     run_dir, shared = tmp_path / "run", tmp_path / "shared"
     # Weights as files in a shared directory (weights.dir) rather than in Redis.
+    # No evaluator (its engine would start twice; its faults are the default run's above).
     proc = omrl("run", "--run-dir", str(run_dir), "--steps", "1000", "--set", "learner.ranks=2",
-                "--set", 'learner.parallel="fsdp2"', "--set", f'weights.dir="{shared}"')
+                "--set", 'learner.parallel="fsdp2"', "--set", f'weights.dir="{shared}"', "--set", "learner.eval_every=0")
     lines = []
     for line in proc.stdout:
         lines.append(line)
@@ -299,7 +300,8 @@ def test_ctrl_c_stops_every_process_and_two_ranks_resume_on_one(tmp_path):
     stopped_at = max(r["step"] for r in read_jsonl(run_dir / "metrics.jsonl"))
 
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "run", "--run-dir", str(run_dir),
-                           "--steps", str(stopped_at + 2), "--set", f'weights.dir="{shared}"'],
+                           "--steps", str(stopped_at + 2), "--set", f'weights.dir="{shared}"', "--set",
+                           "learner.eval_every=0"],
                           capture_output=True, text=True, timeout=patience(40))
     assert done.returncode == 0, done.stdout[-3000:]
     # The stop committed its last step; one rank read the checkpoint that two ranks wrote.
