@@ -102,6 +102,9 @@ class EnvSpecConfig(Section):
     """A /reset answer field put before the first observation, with a line break (sciworld: task_description)."""
     clean_action: bool | None = None
     """Keep only letters, digits, commas and spaces of an action, as AgentGym's babyai and textcraft clients do."""
+    refused: str | None = None
+    """A regular expression an observation matches from its start when the env refused the action before it
+    (textcraft: "Could not "): what actor.train_refused = false reads."""
     num_tasks: int | None = Field(None, ge=2)
     """Task indices are 0..num_tasks-1 (unset: the known spec's count, else env.num_tasks)."""
     test_from: int | None = Field(None, ge=1)
@@ -173,6 +176,11 @@ class ActorConfig(Section):
     rewards: dict[str, float] = Field(default_factory=lambda: {"env": 1.0})
     """Reward functions by name and their weights (envs/rewards.py): env, success, format, process, length,
     or one a module in run.plugins registers."""
+    train_refused: bool = True
+    """false: a turn whose action the env refused (the observation after it matches env.spec.refused) leaves
+    the loss, its tokens kept in the episode as context, as a noisy oracle's random actions are in SFT
+    (`omrl collect --noise`). An outcome reward otherwise gives a refused action of a successful episode the
+    advantage of its right ones. The actor's own episode loop only (an agent's turns are trained as they come)."""
     reward_timeout_s: float = Field(60.0, gt=0)
     """An async reward function (an LLM judge, a verifier) may take this long per episode; past it the
     episode's group fails (reason reward_timeout)."""

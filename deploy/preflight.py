@@ -86,6 +86,7 @@ def check_names(cfg: Config, ctx: Context) -> str:
         task_split(cfg.env)
     except ValueError as exc:
         raise Failed(str(exc)) from None
+    check_refused(cfg)
     if not cfg.env.url or ctx.role == "env-server":
         import envs.builtin  # noqa: F401  (registers the built-in envs)
         from envs.base import ENVS
@@ -97,6 +98,23 @@ def check_names(cfg: Config, ctx: Context) -> str:
     played = (f"agent {cfg.actor.agent_name!r}" if cfg.actor.agent_name else
               f"template {cfg.actor.action_template!r}")
     return f"env {cfg.env.name!r}, {played}, rewards {', '.join(cfg.actor.rewards)}"
+
+
+def check_refused(cfg: Config) -> None:
+    """env.spec.refused compiles, and actor.train_refused = false has it to read."""
+    from envs.specs import spec_of
+
+    pattern = spec_of(cfg.env).refused
+    if pattern is not None:
+        try:
+            re.compile(pattern)
+        except re.error as exc:
+            raise Failed(f"env.spec.refused = {pattern!r} is not a regular expression ({exc})",
+                         "fix the pattern (Python's re, matched from the observation's start)") from None
+    elif not cfg.actor.train_refused:
+        raise Failed(f"actor.train_refused = false, but env {cfg.env.name!r} names no refused observation",
+                     "set env.spec.refused to a regular expression of the observations that refuse an action "
+                     "(textcraft's: \"Could not \"), or actor.train_refused = true")
 
 
 def check_model(cfg: Config, ctx: Context) -> str:

@@ -47,6 +47,9 @@ class EnvSpec:
     (sciworld: `task_description`)."""
     clean_action: bool = False
     """AgentGym's client keeps only letters, digits, commas and spaces of the action (babyai, textcraft)."""
+    refused: str | None = None
+    """A regular expression an observation matches from its start when the env refused the action
+    before it (textcraft: `Could not `); None: the env's refusals are not told apart."""
 
     def reset_body(self, task_idx: int) -> dict[str, Any]:
         return {self.task_field: task_idx, **dict(self.reset_extra)}
@@ -70,6 +73,10 @@ class EnvSpec:
             return done
         return total_reward >= 1.0 - 1e-6
 
+    def refuses(self, observation: str) -> bool:
+        """Whether `observation` says the env refused the action before it."""
+        return self.refused is not None and re.match(self.refused, observation) is not None
+
     def tidy(self, action: str) -> str:
         """The action as AgentGym's client of this env sends it."""
         if not self.clean_action:
@@ -82,7 +89,7 @@ SPECS: dict[str, EnvSpec] = {s.name: s for s in [
     EnvSpec("babyai", reward_field="score", reward_is_total=True, success="done", num_tasks=40_000,
             test_from=36_000, clean_action=True),  # i -> level i % 40 + 1, seed i // 40: seeds 900+ held out
     EnvSpec("textcraft", create_body={}, success="full_reward", num_tasks=544, test_from=500,
-            clean_action=True),
+            clean_action=True, refused="Could not "),
     EnvSpec("sciworld", reward_field="score", reward_scale=0.01, reward_is_total=True, success="full_reward",
             num_tasks=4639, test_from=4175, reset_prefix="task_description"),
     EnvSpec("alfworld", task_field="game", reset_extra=(("world_type", "Text"),), success="full_reward",

@@ -283,6 +283,29 @@ def test_turns_carry_the_state_they_acted_in(tiny_tokenizer):
     assert state_key(StepResult("obs", 0.0, False, {"state": "2,3"})) == key("2,3")
 
 
+@pytest.mark.parametrize("train_refused", [True, False])
+def test_a_refused_turn_leaves_the_loss_when_asked(train_refused, tiny_tokenizer):
+    """TextCraft refuses `get 1 dirt block` ("Could not find dirt block"): with
+    actor.train_refused = false that turn's tokens are context (mask 0, no log-prob, version -1)
+    and its transcript turn is marked loss false (what `omrl trajectories` writes); the turns the
+    env took stay generated, and every turn stays in the episode."""
+    cfg = ActorConfig(max_turns=3, max_tokens=40, max_seq_len=2000, train_refused=train_refused)
+    setup = EpisodeSetup(LocalEnvClient("textcraft"), tiny_tokenizer, cfg, make_template("raw"), "textcraft")
+    actions = ["inventory\n", "get 1 dirt block\n", "get 1 acacia logs\n"]
+    policy = ScriptedPolicy([(tiny_tokenizer.encode(a, add_special_tokens=False), "stop") for a in actions])
+    transcript: list[dict] = []
+    sample = asyncio.run(run_episode(setup, policy, task_idx=0, transcript=transcript))
+    assert [t["value"] for t in transcript if t["from"] == "human"][2].startswith("Could not find dirt block")
+    generated = [(bool(g), ids) for g, ids in runs(sample)]
+    turn_ids = [tiny_tokenizer.encode(a, add_special_tokens=False) for a in actions]
+    trained = [ids for g, ids in generated if g]
+    assert trained == (turn_ids if train_refused else [turn_ids[0], turn_ids[2]])
+    assert sample.num_turns == 3 and sample.turn_rewards.tolist() == [0.0, 0.0, 0.0]
+    mask = sample.loss_mask.astype(bool)
+    assert (sample.logprobs[~mask] == 0).all() and (sample.versions[~mask] == -1).all()
+    assert [t.get("loss", True) for t in transcript if t["from"] == "gpt"] == [True, train_refused, True]
+
+
 def test_a_char_tokenizer_filled_to_a_real_vocabulary_encodes_as_before_and_decodes_every_id(tmp_path):
     """`omrl init-model --vocab 151936`: a model of Qwen2.5's vocabulary size whose tokenizer has a
     token for every id a random model samples (vLLM decodes what it samples)."""

@@ -143,6 +143,19 @@ def test_env_spec_overrides_what_we_know_of_a_server():
         load_config(None, ['env.spec.success="always"'], environ={})
 
 
+def test_a_refused_observation_is_the_specs_pattern_from_its_start():
+    from deploy.preflight import Failed, check_refused
+
+    textcraft = spec_for("textcraft")
+    assert textcraft.refuses("Could not find dirt block") and not textcraft.refuses("Got 1 dirt block (Could not)")
+    assert not spec_for("letters").refuses("Could not find dirt block")  # names no pattern
+    cfg = load_config(None, ['env.name="my_server"', 'env.spec.refused="Nothing happens|You can.t"'], environ={})
+    assert spec_of(cfg.env).refuses("You can't do that") and not spec_of(cfg.env).refuses("Done. You can go")
+    check_refused(cfg)
+    with pytest.raises(Failed, match=r"env.spec.refused = '\(' is not a regular expression"):
+        check_refused(load_config(None, ['env.spec.refused="("'], environ={}))
+
+
 def load_config_text(text: str):
     import tempfile
 
