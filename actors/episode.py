@@ -9,11 +9,11 @@ plain text.
 
 Each turn the action template reads the action out of the generated text; one that does
 not parse is answered as AgentGym's clients answer it (no server call, "Invalid Action."
-and the last observation, reward 0). With actor.train_refused = false, a turn the env refused
-(its observation matches the env spec's `refused`) goes into the buffer as context, outside
-the loss. At the end the env's success rule and the configured reward functions score the
-episode (they see its task and every turn: envs/rewards.py). An env or reward function
-failure raises (an `EpisodeError`); the caller fails the episode's whole group.
+and the last observation, reward 0); a turn the env refused (its observation matches the env
+spec's `refused`) is recorded as such (learner.refused_turns). At the end the env's success
+rule and the configured reward functions score the episode (they see its task and every turn:
+envs/rewards.py). An env or reward function failure raises (an `EpisodeError`); the caller
+fails the episode's whole group.
 """
 
 from __future__ import annotations
@@ -182,7 +182,6 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
             t1 = time.monotonic()
             text = setup.tokenizer.decode(turn.generation.token_ids, skip_special_tokens=True)
             action = turn.action if turn.action is not None else setup.template.parse(text)
-            trained = turn.trained
             if action is None:  # AgentGym's convention: no server call
                 next_text = INVALID_ACTION + observation
                 turns.append(EpisodeTurn(text, None, next_text, 0.0, False))
@@ -194,13 +193,12 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
                 state = state_key(result)
                 next_text = observation
                 turns.append(EpisodeTurn(text, action, observation, reward, done, dict(info)))
-                trained = trained and (cfg.train_refused or not spec.refuses(observation))
-            if trained:
+            if turn.trained:
                 buf.add_generated(turn.generation.token_ids, turn.generation.logprobs, turn.version)
             else:
                 buf.add_context(turn.generation.token_ids)
             note({"from": "gpt", "value": turn.action if turn.action is not None else text,
-                  **({} if trained else {"loss": False})})
+                  **({} if turn.trained else {"loss": False})})
             env_s += time.monotonic() - t1
             gen_s += t1 - t0
             if done:
@@ -233,5 +231,6 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
         success=episode.success,
         invalid_actions=len(turns) - sum(episode.valid_actions),
         turn_states=states[:len(turn_rewards)],
+        refused_turns=[k for k, t in enumerate(turns) if t.action is not None and spec.refuses(t.observation)],
         timing={"total_s": time.monotonic() - started, "generate_s": gen_s, "env_s": env_s},
     )

@@ -104,7 +104,7 @@ class EnvSpecConfig(Section):
     """Keep only letters, digits, commas and spaces of an action, as AgentGym's babyai and textcraft clients do."""
     refused: str | None = None
     """A regular expression an observation matches from its start when the env refused the action before it
-    (textcraft: "Could not "): what actor.train_refused = false reads."""
+    (textcraft: "Could not "): the actor records such turns (learner.refused_turns)."""
     num_tasks: int | None = Field(None, ge=2)
     """Task indices are 0..num_tasks-1 (unset: the known spec's count, else env.num_tasks)."""
     test_from: int | None = Field(None, ge=1)
@@ -176,11 +176,6 @@ class ActorConfig(Section):
     rewards: dict[str, float] = Field(default_factory=lambda: {"env": 1.0})
     """Reward functions by name and their weights (envs/rewards.py): env, success, format, process, length,
     or one a module in run.plugins registers."""
-    train_refused: bool = True
-    """false: a turn whose action the env refused (the observation after it matches env.spec.refused) leaves
-    the loss, its tokens kept in the episode as context, as a noisy oracle's random actions are in SFT
-    (`omrl collect --noise`). An outcome reward otherwise gives a refused action of a successful episode the
-    advantage of its right ones. The actor's own episode loop only (an agent's turns are trained as they come)."""
     reward_timeout_s: float = Field(60.0, gt=0)
     """An async reward function (an LLM judge, a verifier) may take this long per episode; past it the
     episode's group fails (reason reward_timeout)."""
@@ -320,6 +315,13 @@ class LearnerConfig(Section):
     as the estimator gives them; 0 learns only from the samples better than their group's baseline
     (positive-sample reinforcement). Between: both, the failures' push weaker. The group estimators
     only. On TextCraft it did not beat full GRPO (docs/results/textcraft-demo.md, section 7)."""
+    refused_turns: Literal["train", "drop", "nonpositive"] = "train"
+    """The turns whose action the env refused (the observation after it matches env.spec.refused; TextCraft's
+    "Could not "). train: as every other turn; drop: out of the loss, as SFT keeps a noisy oracle's random
+    actions (`omrl collect --noise`); nonpositive: their advantage at most 0, so a refused action is never
+    reinforced and one in a failure is still pushed down. An outcome reward otherwise gives a refused action
+    in a successful episode the advantage of its right ones (docs/results/textcraft-demo.md, section 8). The
+    actor's own episode loop records them (an agent's turns are not read). nonpositive: not with ppo."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of a KL penalty to the frozen starting model (0: off, no reference kept). The reference is
     kept in the compute's precision (bf16 under learner.precision = "bf16"), sharded under fsdp2."""
@@ -570,6 +572,10 @@ class Config(Section):
             raise ValueError(f"learner.negative_weight = {lcfg.negative_weight:g} works with the group estimators, "
                              f"not ppo (its advantages come from the critic): set learner.negative_weight = 1.0 "
                              f"or another learner.algorithm")
+        if lcfg.refused_turns == "nonpositive" and lcfg.algorithm == "ppo":
+            raise ValueError("learner.refused_turns = \"nonpositive\" works with the group estimators, not ppo (its "
+                             "advantages come from the critic): set learner.refused_turns = \"drop\" or another "
+                             "learner.algorithm")
         if lcfg.mode == "async" and lcfg.eta < lcfg.publish_every - 1:
             raise ValueError(f"learner.eta ({lcfg.eta}) must be at least learner.publish_every - 1 "
                              f"({lcfg.publish_every - 1}): eta counts optimizer steps, and weights published every "

@@ -31,8 +31,8 @@ import msgpack
 import numpy as np
 
 KIND_ROLLOUT_GROUP = "rollout_group"
-SCHEMA_VERSION = 5  # 2: samples carry success and invalid_actions; 3: turn_states; 4: samples as columns;
-# 5: the episode each sample is a segment of
+SCHEMA_VERSION = 6  # 2: samples carry success and invalid_actions; 3: turn_states; 4: samples as columns;
+# 5: the episode each sample is a segment of; 6: refused_turns
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 
 # Per-token arrays of a sample, with the dtype they travel as.
@@ -54,6 +54,7 @@ SAMPLE_TYPES: dict[str, tuple[type, ...]] = {
     "task_id": (str,),
     "env_name": (str,),
     "turn_states": (list,),
+    "refused_turns": (list,),
     "timing": (dict,),
     "episode": (int,),
 }
@@ -97,6 +98,9 @@ class Sample:
     turn_states: list[str] = dataclasses.field(default_factory=list)
     """A key of the env state each turn acted in (GiGPO's anchors): equal keys, equal states. One
     per turn, or none where unknown."""
+    refused_turns: list[int] = dataclasses.field(default_factory=list)
+    """The turns, by index, whose action the env refused (the env spec's `refused` matched the
+    observation after it), ascending; none where the env names no pattern or an agent played."""
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
     episode: int = -1
     """The episode of its group this sample is a segment of: an agent's session whose prompt stopped
@@ -206,6 +210,7 @@ def encode_group(group: RolloutGroup, max_bytes: int = DEFAULT_MAX_BYTES) -> byt
         "task_id": [s.task_id for s in samples],
         "env_name": [s.env_name for s in samples],
         "turn_states": [[str(k) for k in s.turn_states] for s in samples],
+        "refused_turns": [[int(k) for k in s.refused_turns] for s in samples],
         "timing": [{k: float(v) for k, v in s.timing.items()} for s in samples],
         "episode": [int(s.episode) for s in samples],
     })
@@ -313,6 +318,10 @@ def decode_group(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -
     for i, states in enumerate(per_sample["turn_states"]):
         if states and (len(states) != num_turns[i] or not all(type(k) is str for k in states)):
             raise CodecError(f"samples[{i}].turn_states: expected {num_turns[i]} strings (one per turn) or none")
+    for i, refused in enumerate(per_sample["refused_turns"]):
+        if not all(type(k) is int for k in refused) or refused != sorted(set(refused)) or \
+                (refused and not 0 <= refused[0] <= refused[-1] < num_turns[i]):
+            raise CodecError(f"samples[{i}].refused_turns: expected ascending turn indices below {num_turns[i]}")
 
     starts, turn_starts = [0, *itertools.accumulate(lengths)], [0, *itertools.accumulate(num_turns)]
     columns = {name: _unpack_array(cols, name, dt) for name, dt in TOKEN_ARRAYS.items()}
@@ -337,11 +346,11 @@ def decode_group(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -
         Sample(tokens=tokens[a:b], loss_mask=loss_mask[a:b], logprobs=logprobs[a:b], versions=versions[a:b],
                reward=float(reward), turn_rewards=turn_rewards[ta:tb], num_turns=turns, finish_reason=finish,
                task_id=task, env_name=env, success=success, invalid_actions=invalid, turn_states=states,
-               timing=timing, episode=episode)
-        for a, b, ta, tb, turns, reward, success, invalid, finish, task, env, states, timing, episode in zip(
+               refused_turns=refused, timing=timing, episode=episode)
+        for a, b, ta, tb, turns, reward, success, invalid, finish, task, env, states, refused, timing, episode in zip(
             starts, starts[1:], turn_starts, turn_starts[1:], num_turns, *map(per_sample.get, (
-                "reward", "success", "invalid_actions", "finish_reason", "task_id", "env_name", "turn_states", "timing",
-                "episode")))
+                "reward", "success", "invalid_actions", "finish_reason", "task_id", "env_name", "turn_states",
+                "refused_turns", "timing", "episode")))
     ]
     return RolloutGroup(
         group_id=_field(obj, "group_id", (str,), "group"),

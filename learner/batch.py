@@ -77,15 +77,17 @@ class MicroBatch:
 
 def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0, stale: list[bool] | None = None,
             gamma: float = 1.0, step_weight: float = 1.0, loss_agg: str = "token-mean",
-            negative_weight: float = 1.0) -> Batch:
+            negative_weight: float = 1.0, refused_turns: str = "train") -> Batch:
     """Padded tensors of the groups' samples, with each token's advantage by `algorithm`
     (learner.algorithm); samples of groups without signal get loss mask 0. `stale`: per sample,
     whether some token came from weights older than the learner's (None: none did); `gamma`,
     `step_weight`: GiGPO's discount and weight of its step-level advantages; `loss_agg`
     "seq-mean-token-mean": each trained sample's advantages scaled by the batch's mean trained
     tokens a sample over its own, so that the token-mean loss weighs every sample alike;
-    `negative_weight`: the factor on each negative advantage (learner.negative_weight). With a critic (ppo)
-    the advantages are left at 0 for the trainer."""
+    `negative_weight`: the factor on each negative advantage (learner.negative_weight); `refused_turns`
+    (learner.refused_turns): "drop" takes the turns the env refused out of the loss, "nonpositive" caps
+    their advantage at 0 (a sample whose turns cannot be told apart, an agent's, is left as it is). With
+    a critic (ppo) the advantages are left at 0 for the trainer."""
     samples = [s for g in groups for s in g.samples]
     T = max(len(s.tokens) for s in samples)
     N = len(samples)
@@ -123,6 +125,12 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
                 advantages[i, a:b] += step_weight * step
         for (_a, b), r in zip(turns, turn_reward_split(s, len(turns))):
             token_rewards[i, b - 1] += r
+        if refused_turns != "train" and len(turns) == s.num_turns:
+            for a, b in (turns[k] for k in s.refused_turns):
+                if refused_turns == "drop":
+                    loss_mask[i, a:b] = 0
+                else:
+                    advantages[i, a:b].clamp_(max=0.0)
     generated[:, 0] = 0  # the first token has no prediction: always context
     loss_mask[:, 0] = 0
     advantages[:, 0] = 0

@@ -107,7 +107,7 @@ class Learner:
         groups = [g if isinstance(g, RolloutGroup) else decode_group(g) for g in payload["groups"]]
         batch = collate(groups, lcfg.algorithm, stale=payload["stale"],
                         gamma=lcfg.gamma, step_weight=lcfg.gigpo_step_weight, loss_agg=lcfg.loss_agg,
-                        negative_weight=lcfg.negative_weight)
+                        negative_weight=lcfg.negative_weight, refused_turns=lcfg.refused_turns)
         return self.trainer.train_step(batch), batch
 
     def _op_weights(self, _=None) -> str | Packed | None:
@@ -393,6 +393,7 @@ class Learner:
             "reward/env": float(np.mean([sum(s.turn_rewards.sum() for s in e) for e in episodes])),
             "reward/success": float(np.mean([e[0].success for e in episodes])),
             "actor/invalid_action_frac": sum(s.invalid_actions for s in samples) / max(1, turns),
+            "actor/refused_turn_frac": sum(len(s.refused_turns) for s in samples) / max(1, turns),
             "batch/turns_mean": turns / len(episodes),
             "batch/segments_per_episode": len(samples) / len(episodes),
             "batch/groups": len(groups),

@@ -78,8 +78,8 @@ MISTAKES = {
                                         ["actor.max_seq_len = 8192", "4096 positions", "at most 4096"]),
     "run dir under a file": (["run", "--run-dir", "a-file/run"], {}, ["is not writable", "--run-dir DIR"]),
     "bad config value": (["run", "--set", "learner.lr=-1"], {}, ["learner.lr: Input should be greater than 0"]),
-    "refused turns the env cannot name": (["run", "--set", "actor.train_refused=false"], {},
-                                          ["actor.train_refused = false, but env 'letters'", "env.spec.refused"]),
+    "refused turns the env cannot name": (["run", "--set", 'learner.refused_turns="drop"'], {},
+                                          ["learner.refused_turns = 'drop', but env 'letters'", "env.spec.refused"]),
 }
 
 

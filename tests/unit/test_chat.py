@@ -283,27 +283,23 @@ def test_turns_carry_the_state_they_acted_in(tiny_tokenizer):
     assert state_key(StepResult("obs", 0.0, False, {"state": "2,3"})) == key("2,3")
 
 
-@pytest.mark.parametrize("train_refused", [True, False])
-def test_a_refused_turn_leaves_the_loss_when_asked(train_refused, tiny_tokenizer):
-    """TextCraft refuses `get 1 dirt block` ("Could not find dirt block"): with
-    actor.train_refused = false that turn's tokens are context (mask 0, no log-prob, version -1)
-    and its transcript turn is marked loss false (what `omrl trajectories` writes); the turns the
-    env took stay generated, and every turn stays in the episode."""
-    cfg = ActorConfig(max_turns=3, max_tokens=40, max_seq_len=2000, train_refused=train_refused)
-    setup = EpisodeSetup(LocalEnvClient("textcraft"), tiny_tokenizer, cfg, make_template("raw"), "textcraft")
+def test_the_turns_the_env_refused_are_recorded(tiny_tokenizer):
+    """TextCraft refuses `get 1 dirt block` ("Could not find dirt block"): the sample names that
+    turn, and every turn stays generated (what the loss does with it is the learner's choice,
+    learner.refused_turns). An env without a pattern records none."""
+    cfg = ActorConfig(max_turns=3, max_tokens=40, max_seq_len=2000)
     actions = ["inventory\n", "get 1 dirt block\n", "get 1 acacia logs\n"]
-    policy = ScriptedPolicy([(tiny_tokenizer.encode(a, add_special_tokens=False), "stop") for a in actions])
-    transcript: list[dict] = []
-    sample = asyncio.run(run_episode(setup, policy, task_idx=0, transcript=transcript))
-    assert [t["value"] for t in transcript if t["from"] == "human"][2].startswith("Could not find dirt block")
-    generated = [(bool(g), ids) for g, ids in runs(sample)]
     turn_ids = [tiny_tokenizer.encode(a, add_special_tokens=False) for a in actions]
-    trained = [ids for g, ids in generated if g]
-    assert trained == (turn_ids if train_refused else [turn_ids[0], turn_ids[2]])
-    assert sample.num_turns == 3 and sample.turn_rewards.tolist() == [0.0, 0.0, 0.0]
-    mask = sample.loss_mask.astype(bool)
-    assert (sample.logprobs[~mask] == 0).all() and (sample.versions[~mask] == -1).all()
-    assert [t.get("loss", True) for t in transcript if t["from"] == "gpt"] == [True, train_refused, True]
+    setup = EpisodeSetup(LocalEnvClient("textcraft"), tiny_tokenizer, cfg, make_template("raw"), "textcraft")
+    transcript: list[dict] = []
+    sample = asyncio.run(run_episode(setup, ScriptedPolicy([(ids, "stop") for ids in turn_ids]), task_idx=0,
+                                     transcript=transcript))
+    assert [t["value"] for t in transcript if t["from"] == "human"][2].startswith("Could not find dirt block")
+    assert sample.num_turns == 3 and sample.refused_turns == [1]
+    assert [ids for generated, ids in runs(sample) if generated] == turn_ids
+    letters = EpisodeSetup(LocalEnvClient("letters"), tiny_tokenizer, cfg, make_template("raw"), "letters")
+    other = asyncio.run(run_episode(letters, ScriptedPolicy([(ids, "stop") for ids in turn_ids]), task_idx=0))
+    assert other.num_turns >= 1 and other.refused_turns == []
 
 
 def test_a_char_tokenizer_filled_to_a_real_vocabulary_encodes_as_before_and_decodes_every_id(tmp_path):

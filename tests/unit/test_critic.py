@@ -182,3 +182,33 @@ def test_negative_weight_scales_the_failures_push_and_leaves_the_successes():
         torch.testing.assert_close(weighted.loss_mask, plain.loss_mask)
     with pytest.raises(ValueError, match="negative_weight"):
         Config(learner=LearnerConfig(algorithm="ppo", negative_weight=0.0))
+
+
+def test_refused_turns_are_dropped_or_never_reinforced():
+    """The success refused its first turn, the failure its second; through the codec (schema 6).
+    drop: those turns leave the loss, the rest as before; nonpositive: the success's refused turn
+    has advantage 0, the failure's keeps its push down; train: as if none were refused."""
+    rng = np.random.default_rng(0)
+    group = multi_turn_group(rng, [([0.0, 1.0], ["a", "b"]), ([0.0, 0.0, 0.0], ["a", "b", "c"])])
+    group.samples[0].refused_turns, group.samples[1].refused_turns = [0], [1]
+    group = decode_group(encode_group(group))
+    assert [s.refused_turns for s in group.samples] == [[0], [1]]
+    plain = collate([group], "grpo")
+    spans = [turn_spans(s.loss_mask) for s in group.samples]
+    (a0, b0), (a1, b1) = spans[0][0], spans[1][1]
+    assert float(plain.advantages[0, a0:b0].min()) > 0 > float(plain.advantages[1, a1:b1].max())
+    torch.testing.assert_close(collate([group], "grpo", refused_turns="train").loss_mask, plain.loss_mask)
+    drop = collate([group], "grpo", refused_turns="drop")
+    kept = plain.loss_mask.clone()
+    kept[0, a0:b0], kept[1, a1:b1] = 0, 0
+    torch.testing.assert_close(drop.loss_mask, kept)
+    torch.testing.assert_close(drop.advantages, plain.advantages)
+    capped = collate([group], "grpo", refused_turns="nonpositive")
+    torch.testing.assert_close(capped.loss_mask, plain.loss_mask)
+    assert float(capped.advantages[0, a0:b0].abs().max()) == 0.0
+    torch.testing.assert_close(capped.advantages[1], plain.advantages[1])  # the failure's: already below 0
+    rest = torch.ones_like(plain.advantages, dtype=torch.bool)
+    rest[0, a0:b0] = False
+    torch.testing.assert_close(capped.advantages[rest], plain.advantages[rest])
+    with pytest.raises(ValueError, match="refused_turns"):
+        Config(learner=LearnerConfig(algorithm="ppo", refused_turns="nonpositive"))

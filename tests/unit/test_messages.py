@@ -107,6 +107,8 @@ def _set(column: str, index, value):
     (_set("success", 2, 1), "samples\\[2\\].success: has type int, expected bool"),
     (_set("reward", 1, "0.5"), "samples\\[1\\].reward: has type str"),
     (_set("turn_states", 2, ["a", "b"]), "samples\\[2\\].turn_states: expected 1 strings"),
+    (_set("refused_turns", 1, [1]), "samples\\[1\\].refused_turns: expected ascending turn indices below 1"),
+    (_set("refused_turns", 0, [0, 0]), "samples\\[0\\].refused_turns: expected ascending"),
     (lambda o: o.update(group_id=5), "field 'group_id' has type int"),
 ])
 def test_invalid_messages_say_what_is_wrong(mutate, message):
