@@ -19,7 +19,10 @@ in exactly one way, each counted in the run's `counts` hash:
 - `release` when the group fails or is cancelled (`failed:<reason>`);
 - expiry, when its actor sent no heartbeat for `ticket_ttl_s`, or `release_predecessors`,
   when a restarted actor of the same name starts (`failed:actor_lost`). A ticket that
-  came back this way and is committed after all moves from `actor_lost` to `produced`.
+  came back this way and is committed after all moves from `actor_lost` to `produced`;
+  its room was handed out again meanwhile, so such a late commit takes the count past the
+  bound by its group until the learner catches up (the learner still checks each group's
+  staleness). A heartbeat well inside `ticket_ttl_s` keeps live actors' tickets from this.
 The learner takes a dead-lettered group out of `accepted` (its ticket comes back) and,
 at each publication, floors `accepted` to the groups it has trained on, so a Redis that
 lost its data cannot let actors run ahead.

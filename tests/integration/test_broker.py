@@ -2,6 +2,7 @@
 
 import asyncio
 import os
+import random
 
 import pytest
 import redis.exceptions
@@ -445,3 +446,37 @@ def test_a_stopping_producer_writes_its_buffer_past_the_length_bound(redis_serve
             await asyncio.wait_for(s.producer.flush(), 5)
             assert await s.client.xlen(s.keys.rollouts()) == 4
     run(scenario())
+
+
+def test_a_cancelled_call_is_cancelled_and_the_connection_stays_in_step(redis_server_url, run_name):
+    """A task cancelled at a random moment of a Redis call must end cancelled, never with the
+    call's result (Python 3.11's wait_for, under which redis-py sends, drops a cancellation
+    that meets the send's end: broker.connection.cancel_safe), and the next call on the
+    client must get its own reply, not the cancelled one's."""
+    rng = random.Random()
+    key = f"{{{run_name}}}:n"
+
+    async def scenario():
+        client = connect(redis_server_url)
+        script = client.register_script("return redis.call('GET', KEYS[1])")
+        ran_on, cancelled = 0, 0
+        for i in range(600):
+            call = [client.get(key), client.ping(), script(keys=[key])][i % 3]
+            task = asyncio.ensure_future(call)
+            for _ in range(rng.randrange(6)):  # the cancellation lands after 0-5 turns of the loop
+                await asyncio.sleep(0)
+            if task.cancel():
+                try:
+                    await task
+                    ran_on += 1
+                except asyncio.CancelledError:
+                    cancelled += 1
+            await client.set(key, i)
+            assert await client.get(key) == str(i).encode()
+        await client.aclose()
+        return ran_on, cancelled
+
+    ran_on, cancelled = run(scenario())
+    print(f"{cancelled} calls cancelled, {ran_on} ran on")
+    assert ran_on == 0, f"{ran_on} of {ran_on + cancelled} cancelled calls ran on"
+    assert cancelled >= 20, "too few calls were still running when cancelled to test anything"
