@@ -259,6 +259,10 @@ class LearnerConfig(Section):
     lr: float = Field(2.5e-4, gt=0)
     """AdamW learning rate (the tiny model's: a quarter of one update's 1e-3, as each batch gets
     `minibatches` updates; issue 26's study)."""
+    lr_warmup_steps: int = Field(0, ge=0)
+    """The learning rate rises linearly from lr / (this x minibatches x ppo_epochs) to lr over this
+    many steps (0: lr from the first update). A fresh AdamW's first updates move every weight by
+    about lr, the noise's as much as the signal's."""
     weight_decay: float = Field(0.0, ge=0)
     """AdamW weight decay."""
     grad_clip: float = Field(1.0, gt=0)

@@ -258,3 +258,41 @@ def test_a_batch_trained_before_brings_nothing_of_that_step(tiny_model):
     assert metrics["reused"]["learner/ratio_mean"] == pytest.approx(1.0)
     for key in ("learner/loss/policy", "learner/ratio_mean", "learner/frac_clipped", "learner/grad_norm"):
         assert metrics["reused"][key] == pytest.approx(metrics["fresh"][key], rel=1e-6), key
+
+
+def test_the_learning_rate_warms_up_over_its_steps_and_a_resumed_run_goes_on_from_where_it_was(tmp_path):
+    """learner.lr_warmup_steps = 2 with 2 minibatches: the 4 updates of the first two steps take
+    lr/4, lr/2, 3lr/4 and lr, and later ones lr; a trainer resumed from a checkpoint of step 1
+    goes on at 3lr/4, not at lr/4 again."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from learner.checkpoint import begin
+    from learner.trainer import Trainer
+
+    def trainer():
+        torch.manual_seed(0)
+        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, num_key_value_heads=2))
+        made = Trainer(model, LearnerConfig(lr=1e-2, lr_warmup_steps=2, minibatches=2))
+        seen, step = [], made.optimizer.step
+
+        def spy(*args, **kwargs):
+            seen.append(made.optimizer.param_groups[0]["lr"])
+            return step(*args, **kwargs)
+
+        made.optimizer.step = spy
+        return made, seen
+
+    first, lrs = trainer()
+    batch = collate(varied_groups(2))
+    assert first.train_step(batch)["learner/lr"] == pytest.approx(0.5e-2)
+    path = begin(tmp_path, 1)
+    first.save_checkpoint(path, background=False).result(timeout=60)
+    for _ in range(2):
+        first.train_step(batch)
+    assert lrs == pytest.approx([0.25e-2, 0.5e-2, 0.75e-2, 1e-2, 1e-2, 1e-2])
+    resumed, resumed_lrs = trainer()
+    resumed.load_checkpoint(path)
+    resumed_lrs.clear()  # the load's own step at lr 0, which makes AdamW's state to load into
+    resumed.train_step(batch)
+    assert resumed_lrs == pytest.approx([0.75e-2, 1e-2])
