@@ -29,8 +29,7 @@ def connect(cfg: RedisConfig | str) -> Any:
     if cfg.cluster:
         cluster = RedisCluster.from_url(cfg.url, **kwargs)
         safe = cancel_safe(cluster.connection_kwargs["connection_class"])
-        cluster.connection_kwargs["connection_class"] = safe  # the nodes found later
-        cluster.nodes_manager.connection_kwargs["connection_class"] = safe
+        cluster.connection_kwargs["connection_class"] = safe  # the nodes found later (the nodes manager's dict too)
         for node in cluster.nodes_manager.startup_nodes.values():
             node.connection_class = safe
         return cluster
@@ -54,8 +53,6 @@ def cancel_safe(cls: type) -> type:
     cancellation after the send, closing the connection first (the command's reply is never
     read, so the connection must not serve another)."""
     if sys.version_info >= (3, 12):
-        return cls
-    if cls in _CANCEL_SAFE.values():
         return cls
     if cls not in _CANCEL_SAFE:
         async def send_packed_command(self, command, check_health: bool = True) -> None:

@@ -131,15 +131,22 @@ def test_more_minibatches_than_samples_step_only_on_samples(tiny_model):
     assert metrics["learner/updates"] == 2 * 4  # one sample per minibatch; the 6 empty ones are not steps
 
 
+def one_layer_qwen():
+    """A Qwen2 of one layer, its output layer tied to the embeddings, seeded: the same weights each call."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                        num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+
+
 def test_tied_output_layer_is_published_once_in_a_file_safetensors_reads(tmp_path):
     from safetensors import safe_open
     from safetensors.torch import load_file
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from learner.trainer import Trainer
 
-    model = Qwen2ForCausalLM(Qwen2Config(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
+    model = one_layer_qwen()
     trainer = Trainer(model, LearnerConfig(minibatches=1))
     path = tmp_path / "w.safetensors"
     assert trainer.save_weights(path, torch.bfloat16) == path.stat().st_size  # written a tensor at a time
@@ -163,17 +170,11 @@ def test_a_checkpoint_written_in_the_background_holds_its_step_while_training_go
     import threading
 
     from torch.distributed.checkpoint import FileSystemWriter
-    from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from learner.checkpoint import begin, read_model
     from learner.trainer import Trainer
 
-    def model():
-        torch.manual_seed(0)
-        return Qwen2ForCausalLM(Qwen2Config(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                            num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True))
-
-    trainer = Trainer(model(), LearnerConfig(lr=1e-2))
+    trainer = Trainer(one_layer_qwen(), LearnerConfig(lr=1e-2))
     trainer.train_step(collate(varied_groups(1)))  # AdamW's moments exist
     taken = torch.utils._pytree.tree_map(lambda x: x.clone() if isinstance(x, torch.Tensor) else x,
                                          (dict(trainer.scorer.state_dict()), trainer.optimizer.state_dict()))
@@ -190,7 +191,7 @@ def test_a_checkpoint_written_in_the_background_holds_its_step_while_training_go
     saved = read_model(path)
     assert saved.keys() == taken[0].keys() - {"lm.lm_head.weight"}  # the tied output layer once
     assert all(torch.equal(v, taken[0][k].cpu()) for k, v in saved.items())  # read to the CPU, also on a GPU
-    resumed = Trainer(model(), LearnerConfig(lr=1e-2))
+    resumed = Trainer(one_layer_qwen(), LearnerConfig(lr=1e-2))
     resumed.load_checkpoint(path)
     assert all(torch.equal(v, taken[0][k]) for k, v in resumed.scorer.state_dict().items())
     flat, _ = torch.utils._pytree.tree_flatten(resumed.optimizer.state_dict()["state"])
@@ -264,16 +265,11 @@ def test_the_learning_rate_warms_up_over_its_steps_and_a_resumed_run_goes_on_fro
     """learner.lr_warmup_steps = 2 with 2 minibatches: the 4 updates of the first two steps take
     lr/4, lr/2, 3lr/4 and lr, and later ones lr; a trainer resumed from a checkpoint of step 1
     goes on at 3lr/4, not at lr/4 again."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
     from learner.checkpoint import begin
     from learner.trainer import Trainer
 
     def trainer():
-        torch.manual_seed(0)
-        model = Qwen2ForCausalLM(Qwen2Config(vocab_size=90, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                                             num_attention_heads=2, num_key_value_heads=2))
-        made = Trainer(model, LearnerConfig(lr=1e-2, lr_warmup_steps=2, minibatches=2))
+        made = Trainer(one_layer_qwen(), LearnerConfig(lr=1e-2, lr_warmup_steps=2, minibatches=2))
         seen, step = [], made.optimizer.step
 
         def spy(*args, **kwargs):
