@@ -110,7 +110,8 @@ class SampleKeeper:
                 "turn_rewards": [float(t) for _r, s in segments for t in s.turn_rewards],
                 "finish_reason": sample.finish_reason,
                 "invalid_actions": sum(int(s.invalid_actions) for _r, s in segments), "staleness": int(staleness[gi]),
-                "group_rewards": [float(r) for r in group.rewards], "segments": len(segments),
+                "group_rewards": [float(e[0].reward) for e in group.by_episode()],  # as sent, as "reward" is
+                "segments": len(segments),
                 "turns": turns,
             })
         lines = "".join(json.dumps(k) + "\n" for k in kept)

@@ -461,8 +461,8 @@ def test_a_cancelled_call_is_cancelled_and_the_connection_stays_in_step(redis_se
         script = client.register_script("return redis.call('GET', KEYS[1])")
         ran_on, cancelled = 0, 0
         for i in range(600):
-            call = [client.get(key), client.ping(), script(keys=[key])][i % 3]
-            task = asyncio.ensure_future(call)
+            call = [lambda: client.get(key), client.ping, lambda: script(keys=[key])][i % 3]
+            task = asyncio.ensure_future(call())
             for _ in range(rng.randrange(6)):  # the cancellation lands after 0-5 turns of the loop
                 await asyncio.sleep(0)
             if task.cancel():

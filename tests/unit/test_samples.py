@@ -59,6 +59,8 @@ def test_a_kept_episode_reads_turn_by_turn(tmp_path, tiny_model):
         assert sum((t["advantages"] for t in model_turns), []) == pytest.approx(advantages, abs=1e-4)
     assert kept[0]["reward"] == max(s.reward for _g, s in samples)
     assert kept[1]["reward"] == min(s.reward for _g, s in samples)
+    # An episode's reward is one of its group's, to the bit (not a float32 of it: 0.2 is not one).
+    assert all(k["reward"] in k["group_rewards"] for k in kept) and kept[0]["reward"] not in (0.0, 1.0)
     # A critic over several ranks: this rank knows only its own samples' advantages, so none are kept.
     unknown = keeper.keep(30, 29, batch_groups, batch, [0, 0, 0], advantages_known=False)
     assert all(t["advantages"] is None for k in unknown for t in k["turns"] if t["role"] == "model")
