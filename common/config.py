@@ -326,6 +326,11 @@ class LearnerConfig(Section):
     reinforced and one in a failure is still pushed down. An outcome reward otherwise gives a refused action
     in a successful episode the advantage of its right ones (docs/results/textcraft-demo.md, section 8). The
     actor's own episode loop records them (an agent's turns are not read). nonpositive: not with ppo."""
+    refused_reward: float = Field(0.0, le=0)
+    """gigpo: a reward (at most 0, e.g. -0.1) on each turn whose action the env refused, in the step
+    returns only: a turn that repeats a refused action ranks below one that left the same state
+    otherwise, while the episodes' rewards, their advantages and every metric stay the env's. 0: off.
+    Needs env.spec.refused and the actor's own episode loop (an agent's turns are not read)."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of a KL penalty to the frozen starting model (0: off, no reference kept). The reference is
     kept in the compute's precision (bf16 under learner.precision = "bf16"), sharded under fsdp2."""
@@ -580,6 +585,10 @@ class Config(Section):
             raise ValueError("learner.refused_turns = \"nonpositive\" works with the group estimators, not ppo (its "
                              "advantages come from the critic): set learner.refused_turns = \"drop\" or another "
                              "learner.algorithm")
+        if lcfg.refused_reward and lcfg.algorithm != "gigpo":
+            raise ValueError(f"learner.refused_reward = {lcfg.refused_reward:g} is a turn reward of gigpo's step "
+                             f"returns, not of {lcfg.algorithm}: set learner.algorithm = \"gigpo\" or "
+                             f"learner.refused_reward = 0")
         if lcfg.mode == "async" and lcfg.eta < lcfg.publish_every - 1:
             raise ValueError(f"learner.eta ({lcfg.eta}) must be at least learner.publish_every - 1 "
                              f"({lcfg.publish_every - 1}): eta counts optimizer steps, and weights published every "

@@ -101,7 +101,8 @@ def check_names(cfg: Config, ctx: Context) -> str:
 
 
 def check_refused(cfg: Config) -> None:
-    """env.spec.refused compiles, and learner.refused_turns other than train has it to read."""
+    """env.spec.refused compiles, and learner.refused_turns other than train (or a
+    learner.refused_reward) has it to read."""
     from envs.specs import spec_of
 
     pattern = spec_of(cfg.env).refused
@@ -111,10 +112,13 @@ def check_refused(cfg: Config) -> None:
         except re.error as exc:
             raise Failed(f"env.spec.refused = {pattern!r} is not a regular expression ({exc})",
                          "fix the pattern (Python's re, matched from the observation's start)") from None
-    elif cfg.learner.refused_turns != "train":
-        raise Failed(f"learner.refused_turns = {cfg.learner.refused_turns!r}, but env {cfg.env.name!r} names no "
-                     f"refused observation", "set env.spec.refused to a regular expression of the observations that "
-                     "refuse an action (textcraft's: \"Could not \"), or learner.refused_turns = \"train\"")
+    elif cfg.learner.refused_turns != "train" or cfg.learner.refused_reward:
+        field = (f"learner.refused_turns = {cfg.learner.refused_turns!r}" if cfg.learner.refused_turns != "train"
+                 else f"learner.refused_reward = {cfg.learner.refused_reward:g}")
+        raise Failed(f"{field}, but env {cfg.env.name!r} names no refused observation",
+                     "set env.spec.refused to a regular expression of the observations that refuse an action "
+                     "(textcraft's: \"Could not \"), or learner.refused_turns = \"train\" and "
+                     "learner.refused_reward = 0")
 
 
 def check_model(cfg: Config, ctx: Context) -> str:

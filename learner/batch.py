@@ -77,7 +77,7 @@ class MicroBatch:
 
 def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0, stale: list[bool] | None = None,
             gamma: float = 1.0, step_weight: float = 1.0, loss_agg: str = "token-mean",
-            negative_weight: float = 1.0, refused_turns: str = "train") -> Batch:
+            negative_weight: float = 1.0, refused_turns: str = "train", refused_reward: float = 0.0) -> Batch:
     """Padded tensors of the groups' samples, with each token's advantage by `algorithm`
     (learner.algorithm); samples of groups without signal get loss mask 0. `stale`: per sample,
     whether some token came from weights older than the learner's (None: none did); `gamma`,
@@ -86,8 +86,9 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
     tokens a sample over its own, so that the token-mean loss weighs every sample alike;
     `negative_weight`: the factor on each negative advantage (learner.negative_weight); `refused_turns`
     (learner.refused_turns): "drop" takes the turns the env refused out of the loss, "nonpositive" caps
-    their advantage at 0 (a sample whose turns cannot be told apart, an agent's, is left as it is). With
-    a critic (ppo) the advantages are left at 0 for the trainer."""
+    their advantage at 0 (a sample whose turns cannot be told apart, an agent's, is left as it is);
+    `refused_reward`: gigpo's turn reward on each refused turn, in the step returns only. With a
+    critic (ppo) the advantages are left at 0 for the trainer."""
     samples = [s for g in groups for s in g.samples]
     T = max(len(s.tokens) for s in samples)
     N = len(samples)
@@ -103,7 +104,8 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
     else:
         episode_adv, signal = estimate("grpo" if algorithm == "gigpo" else algorithm,
                                        [torch.from_numpy(g.rewards) for g in groups])
-    step_adv = [gigpo_steps(g, gamma) if algorithm == "gigpo" else [None] * len(g.samples) for g in groups]
+    step_adv = [gigpo_steps(g, gamma, refused_reward) if algorithm == "gigpo" else [None] * len(g.samples)
+                for g in groups]
     if algorithm == "gigpo":  # a group of equal episode rewards may still differ step by step
         # (a sample whose turn states are unknown has no step advantages: None)
         signal = [sig or any(any(a) for a in steps if a is not None) for sig, steps in zip(signal, step_adv)]
@@ -167,12 +169,20 @@ def turn_reward_split(sample: Sample, turns: int) -> list[float]:
     return per_turn
 
 
-def gigpo_steps(group: RolloutGroup, gamma: float) -> list[list[float] | None]:
+def gigpo_steps(group: RolloutGroup, gamma: float, refused_reward: float = 0.0) -> list[list[float] | None]:
     """GiGPO's step-level advantages of a group's samples, a list per sample (None: its turns or
-    states are unknown, and it has episode-level advantages only)."""
+    states are unknown, and it has episode-level advantages only); `refused_reward` is added to the
+    reward of each turn the env refused."""
     known = [s if len(s.turn_states) == s.num_turns == len(turn_spans(s.loss_mask)) else None for s in group.samples]
     kept = [s for s in known if s is not None]
-    steps = iter(gigpo_step_advantages([discounted_returns(turn_reward_split(s, s.num_turns), gamma) for s in kept],
+
+    def turn_rewards(s: Sample) -> list[float]:
+        rewards = turn_reward_split(s, s.num_turns)
+        for k in s.refused_turns:
+            rewards[k] += refused_reward
+        return rewards
+
+    steps = iter(gigpo_step_advantages([discounted_returns(turn_rewards(s), gamma) for s in kept],
                                        [s.turn_states for s in kept]))
     return [next(steps) if s is not None else None for s in known]
 

@@ -107,7 +107,8 @@ class Learner:
         groups = [g if isinstance(g, RolloutGroup) else decode_group(g) for g in payload["groups"]]
         batch = collate(groups, lcfg.algorithm, stale=payload["stale"],
                         gamma=lcfg.gamma, step_weight=lcfg.gigpo_step_weight, loss_agg=lcfg.loss_agg,
-                        negative_weight=lcfg.negative_weight, refused_turns=lcfg.refused_turns)
+                        negative_weight=lcfg.negative_weight, refused_turns=lcfg.refused_turns,
+                        refused_reward=lcfg.refused_reward)
         return self.trainer.train_step(batch), batch
 
     def _op_weights(self, _=None) -> str | Packed | None:

@@ -80,6 +80,10 @@ MISTAKES = {
     "bad config value": (["run", "--set", "learner.lr=-1"], {}, ["learner.lr: Input should be greater than 0"]),
     "refused turns the env cannot name": (["run", "--set", 'learner.refused_turns="drop"'], {},
                                           ["learner.refused_turns = 'drop', but env 'letters'", "env.spec.refused"]),
+    "a refused-turn reward the env cannot name": (["run", "--set", 'learner.algorithm="gigpo"', "--set",
+                                                   "learner.refused_reward=-0.1"], {},
+                                                  ["learner.refused_reward = -0.1, but env 'letters'",
+                                                   "learner.refused_reward = 0"]),
 }
 
 

@@ -212,3 +212,31 @@ def test_refused_turns_are_dropped_or_never_reinforced():
     torch.testing.assert_close(capped.advantages[rest], plain.advantages[rest])
     with pytest.raises(ValueError, match="refused_turns"):
         Config(learner=LearnerConfig(algorithm="ppo", refused_turns="nonpositive"))
+
+
+def test_a_refused_turns_reward_ranks_it_below_its_anchor_groups_other_turns():
+    """learner.refused_reward: two failures leave state "x" (after a refusal) one way each; the one
+    whose turn the env refused again ranks below the other, from the step returns alone: the
+    episodes' rewards and their advantages are the env's."""
+    rng = np.random.default_rng(4)
+    group = multi_turn_group(rng, [([0.0, 0.0, 0.0], ["a", "x", "x"]), ([0.0, 0.0, 0.0], ["a", "x", "y"]),
+                                   ([0.0, 1.0], ["a", "b"])])
+    group.samples[0].refused_turns, group.samples[1].refused_turns = [0, 1, 2], [0]
+    plain = collate([group], "gigpo", gamma=1.0)
+    penalised = collate([group], "gigpo", gamma=1.0, refused_reward=-0.1)
+    torch.testing.assert_close(penalised.rewards, plain.rewards)
+    turns = [turn_spans(s.loss_mask) for s in group.samples]
+
+    def turn_adv(batch, i, k):
+        return float(batch.advantages[i, turns[i][k][0]])
+
+    # Without it the two failures' turns in "x" all return 0: nothing tells them apart.
+    assert turn_adv(plain, 0, 1) == turn_adv(plain, 0, 2) == turn_adv(plain, 1, 1)
+    # With it the refused repeat returns -0.2 and -0.1 from "x", the turn that left it 0.
+    assert turn_adv(penalised, 0, 1) < turn_adv(penalised, 0, 2) < turn_adv(penalised, 1, 1)
+    # The success took no refused turn: in "a" it ranks first with or without the reward.
+    assert turn_adv(penalised, 2, 0) > turn_adv(penalised, 1, 0) > turn_adv(penalised, 0, 0)
+    with pytest.raises(ValueError, match="refused_reward = -0.1 is a turn reward of gigpo"):
+        Config(learner=LearnerConfig(refused_reward=-0.1))
+    with pytest.raises(ValueError, match="less than or equal to 0"):
+        LearnerConfig(algorithm="gigpo", refused_reward=0.1)
