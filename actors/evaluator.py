@@ -39,6 +39,7 @@ from common.config import Config, require_set
 from common.gpus import evaluator_devices, visible_gpus
 from common.liveness import beating
 from common.logs import first_line
+from common.retry import wait_set
 from envs.base import EpisodeError
 from envs.client import EnvClient
 from envs.specs import spec_of
@@ -168,8 +169,7 @@ class Evaluator:
                                         last_version=self.last["version"] if self.last else None)
             except REDIS_TRANSIENT as exc:
                 log.warning("heartbeat failed: %s", exc)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), self.cfg.actor.heartbeat_s)
+            await wait_set(self.stop, self.cfg.actor.heartbeat_s)
 
 
 def place_on_gpus(cfg: Config) -> bool:

@@ -30,6 +30,7 @@ import msgpack
 from broker.retry import RetryPolicy
 from broker.weights import Announcements, WeightStore, WeightVersionError, discard
 from common.logs import first_line
+from common.retry import wait_set
 from common.weight_sync import (
     HEARTBEAT_S,
     JOINS,
@@ -248,8 +249,7 @@ class BroadcastLink:
             if left <= 0:
                 raise WeightVersionError(f"version {record['version']} did not arrive from the learner at "
                                          f"{record['address']} within weights.timeout_s ({self.timeout_s:g}s)")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._arrived.wait(), min(left, 1.0))
+            await wait_set(self._arrived, min(left, 1.0))
             self._arrived.clear()  # before the next look at `_staged`: a version staged meanwhile sets it again
 
     def close(self, wait_s: float = 2.0) -> None:

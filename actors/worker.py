@@ -56,6 +56,7 @@ from common.liveness import beating
 from common.logs import first_line
 from common.messages import CodecError, RolloutGroup, Sample, encode_group
 from common.metrics import JsonlSink
+from common.retry import wait_set
 from envs.base import EpisodeError
 from envs.client import EnvClient, EnvError
 from envs.rewards import check_weights
@@ -269,8 +270,7 @@ class Actor:
                     await self.env.health(attempts=1)
                     break
                 except EnvError:
-                    with contextlib.suppress(asyncio.TimeoutError):
-                        await asyncio.wait_for(self.stop.wait(), delay)
+                    await wait_set(self.stop, delay)
                     delay = min(2 * delay, 10.0)
             log.info("env server %s answers: starting groups again", self.cfg.env.base_url)
             self.env_down.clear()
@@ -325,8 +325,7 @@ class Actor:
                 await self.members.renew_slot(self.name)
             except REDIS_TRANSIENT as exc:  # a missed heartbeat is not worth stopping for
                 log.warning("heartbeat failed: %s", exc)
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), self.cfg.actor.heartbeat_s)
+            await wait_set(self.stop, self.cfg.actor.heartbeat_s)
 
     async def _write_metrics(self, loops: list[asyncio.Task]) -> None:
         """Counters every actor.metrics_s to RUN_DIR/actors/NAME.jsonl (wall-clock `time`, so
@@ -348,16 +347,14 @@ class Actor:
                             **({f"actor/agent_{k}": v for k, v in self.rollouts.counts.items()} if self.rollouts else {})})
                 if stopped:
                     return
-                with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(self.stop.wait(), self.cfg.actor.metrics_s)
+                await wait_set(self.stop, self.cfg.actor.metrics_s)
         finally:
             sink.close()
 
     async def _progress(self, every_s: float = 10.0) -> None:
         last = (time.monotonic(), 0, 0)
         while not self.stop.is_set():
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.stop.wait(), every_s)
+            await wait_set(self.stop, every_s)
             now = time.monotonic()
             dt = now - last[0]
             self._tokens_per_s = (self.tokens - last[2]) / dt

@@ -1,4 +1,5 @@
-"""The one retry policy, and the one wait for a server that is starting.
+"""The one retry policy, the one wait for a server that is starting, and the one pause that a
+stop event ends early.
 
 A policy declares which exceptions are retried, its bound (attempts, a time limit, or both),
 backoff with jitter, a log line on the first and every Nth retry, and re-raises the last
@@ -89,6 +90,21 @@ class RetryPolicy:
     def _succeeded(self, what: str, attempt: int) -> None:
         if self.logger is not None and attempt > 1:
             self.logger.info("%s succeeded after %d attempts", what, attempt)
+
+
+async def wait_set(event: asyncio.Event, timeout_s: float) -> bool:
+    """Wait until `event` is set or `timeout_s` has passed; True if it is set. A loop's pause
+    that its stop event ends early. Unlike `asyncio.wait_for(event.wait(), timeout_s)` on Python
+    3.11, a cancellation that meets the event's setting is raised, not dropped (CPython gh-86296;
+    broker/connection.py's `cancel_safe` is the same for Redis calls)."""
+    if event.is_set():
+        return True
+    waiter = asyncio.ensure_future(event.wait())
+    try:
+        await asyncio.wait((waiter,), timeout=timeout_s)
+    finally:
+        waiter.cancel()
+    return event.is_set()
 
 
 def wait_until_up(probe: Callable[[], object], what: str, timeout_s: float, interval_s: float = 0.2,

@@ -43,6 +43,7 @@ import aiohttp
 from aiohttp import web
 
 from common.http import runner_for
+from common.retry import wait_set
 from envs.server import EnvServer, RequestError
 
 log = logging.getLogger(__name__)
@@ -274,8 +275,7 @@ class WorkerPool:
             if started is not None:
                 started.set()
             while not stop.is_set():
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), RESTART_CHECK_S)
+                await wait_set(stop, RESTART_CHECK_S)
                 for worker, proc in enumerate(self.procs):
                     since = time.time() - self.beats[worker]
                     if self.hang_s and proc is not None and proc.is_alive() and self.beats[worker] and since > self.hang_s:
