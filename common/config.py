@@ -56,8 +56,9 @@ class RedisConfig(Section):
     """A member whose last heartbeat is older than this is reported dead."""
     embedded_aof: Literal["everysec", "always", "off"] = "everysec"
     """`omrl run`'s embedded server keeps what it holds in an append-only file in RUN_DIR/redis and
-    reads it back when it is restarted. everysec: every write reaches the file before its reply and
-    is fsynced within a second; a killed redis-server loses nothing, a crash of the machine the last
+    reads it back when it is restarted. everysec: a write reaches the file before its reply and is
+    fsynced within a second, except while the last fsync still runs (Redis then answers first, for up
+    to 2 s): a killed redis-server loses nothing outside that window, a crash of the machine the last
     second or two. always: fsync before every reply (nothing lost even then; every write waits for
     the disk). off: nothing on disk; a restart loses every group it held. true/false mean
     always/off. Weight versions go to RUN_DIR/weights, not into Redis (weights.dir)."""
