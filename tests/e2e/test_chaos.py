@@ -53,8 +53,8 @@ class ChaosRun:
              "--set", "learner.publish_every=2", "--set", f"supervisor.hang_s={HANG_S}",
              "--set", "learner.eval_every=0",  # the evaluator's faults: tests/e2e/test_omrl_run.py
              # With "everysec", Redis answers while a background fsync holds back its write (up to 2 s),
-             # so a SIGKILL can lose answered changes: tickets actors hold, whose groups then show as
-             # unaccounted (CI, 2026-11-28: -3). "always" writes before every answer: nothing is lost.
+             # so a SIGKILL can lose answered changes (likely: tickets actors hold, whose groups then show
+             # as unaccounted; CI, 2026-11-28: -3). "always" writes before every answer: nothing is lost.
              "--set", 'redis.embedded_aof="always"'],
             stdout=self.out, stderr=subprocess.STDOUT, text=True)
         self.events: list[str] = []
