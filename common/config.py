@@ -332,6 +332,14 @@ class LearnerConfig(Section):
     returns only: a turn that repeats a refused action ranks below one that left the same state
     otherwise, while the episodes' rewards, their advantages and every metric stay the env's. 0: off.
     Needs env.spec.refused and the actor's own episode loop (an agent's turns are not read)."""
+    refused_unlikelihood: float = Field(0.0, ge=0)
+    """Weight of an unlikelihood term on each turn whose action the env refused, in every group
+    (those without signal too): -log(1 - P), P the policy's probability of the turn's whole action,
+    summed over the refused turns and divided by the generated tokens (as the entropy bonus). A
+    policy gradient barely moves an action the policy is sure of (its gradient in a token's logit is
+    1 - p); this one's stays up to P there, so a refused action repeated at P = 0.99 is still pushed
+    down (learner/refused_prob). 0: off. Needs env.spec.refused and the actor's own episode loop
+    (an agent's turns are not read)."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of a KL penalty to the frozen starting model (0: off, no reference kept). The reference is
     kept in the compute's precision (bf16 under learner.precision = "bf16"), sharded under fsdp2."""

@@ -101,24 +101,28 @@ def check_names(cfg: Config, ctx: Context) -> str:
 
 
 def check_refused(cfg: Config) -> None:
-    """env.spec.refused compiles, and learner.refused_turns other than train (or a
-    learner.refused_reward) has it to read."""
+    """env.spec.refused compiles, and the learner fields that read the refused turns
+    (learner.refused_turns other than train, refused_reward, refused_unlikelihood) have it."""
     from envs.specs import spec_of
 
     pattern = spec_of(cfg.env).refused
+    lcfg = cfg.learner
     if pattern is not None:
         try:
             re.compile(pattern)
         except re.error as exc:
             raise Failed(f"env.spec.refused = {pattern!r} is not a regular expression ({exc})",
                          "fix the pattern (Python's re, matched from the observation's start)") from None
-    elif cfg.learner.refused_turns != "train" or cfg.learner.refused_reward:
-        field = (f"learner.refused_turns = {cfg.learner.refused_turns!r}" if cfg.learner.refused_turns != "train"
-                 else f"learner.refused_reward = {cfg.learner.refused_reward:g}")
-        raise Failed(f"{field}, but env {cfg.env.name!r} names no refused observation",
+        return
+    readers = {"refused_turns": (lcfg.refused_turns != "train", repr(lcfg.refused_turns), '"train"'),
+               "refused_reward": (bool(lcfg.refused_reward), f"{lcfg.refused_reward:g}", "0"),
+               "refused_unlikelihood": (bool(lcfg.refused_unlikelihood), f"{lcfg.refused_unlikelihood:g}", "0")}
+    used = [(name, value, off) for name, (on, value, off) in readers.items() if on]
+    if used:
+        name, value, _ = used[0]
+        raise Failed(f"learner.{name} = {value}, but env {cfg.env.name!r} names no refused observation",
                      "set env.spec.refused to a regular expression of the observations that refuse an action "
-                     "(textcraft's: \"Could not \"), or learner.refused_turns = \"train\" and "
-                     "learner.refused_reward = 0")
+                     "(textcraft's: \"Could not \"), or " + " and ".join(f"learner.{n} = {off}" for n, _, off in used))
 
 
 def check_model(cfg: Config, ctx: Context) -> str:

@@ -177,6 +177,22 @@ def kl_penalty(cur_logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str
     raise ValueError(f"unknown KL estimator {kind!r}: choose k1 or k3 (learner.kl_estimator)")
 
 
+def refused_unlikelihood(logprobs: torch.Tensor, turn_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per refused turn, the unlikelihood -log(1 - P) of its action and P, the policy's probability
+    of the whole action (the product of its tokens'). logprobs (M,), turn_ids (M,): each token's
+    refused turn (0: none). Its gradient does not vanish where the policy is sure of the action:
+    a policy gradient's on a token of probability p is (1 - p) in its logit, this term's P (1 - p)
+    / (1 - P), at most 1, so an action the policy repeats at P = 0.99 still gets pushed down."""
+    on = turn_ids > 0
+    if not bool(on.any()):
+        empty = logprobs.new_zeros(0)
+        return empty, empty
+    _, turn = torch.unique(turn_ids[on], return_inverse=True)
+    seq = logprobs.new_zeros(int(turn.max()) + 1, dtype=torch.float32).index_add(0, turn, logprobs[on].float())
+    # log(1 - P) = log(-expm1(log P)), exact near P = 1; P within 1e-6 of 1 is beyond fp32's log-probs
+    return -torch.log(-torch.expm1(seq.clamp(max=-1e-6))), seq.exp()
+
+
 def has_signal(rewards: torch.Tensor) -> torch.Tensor:
     """rewards (n_groups, G) -> (n_groups,) bool: False where every reward of the group is equal."""
     return (rewards.max(dim=1).values - rewards.min(dim=1).values) > 0

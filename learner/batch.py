@@ -28,6 +28,7 @@ class Batch:
     rewards: np.ndarray  # (episodes,) each episode's reward once (an agent's segments are samples of one)
     group_signal: np.ndarray  # (n_groups,) bool
     num_groups: int
+    refused: torch.Tensor | None = None  # (N, T) long: on each refused turn's tokens its id in the batch (from 1), else 0
     prox_logprobs: torch.Tensor | None = None  # (N, T), filled by the trainer when it needs them
     old_values: torch.Tensor | None = None  # (N, T) the critic's values before the update
     returns: torch.Tensor | None = None  # (N, T) the critic's targets
@@ -54,7 +55,8 @@ class Batch:
                           rows=to(rows), temperature=to(self.temperature[at[0]]), loss_mask=pick(self.loss_mask),
                           behav_logprobs=pick(self.behav_logprobs), advantages=pick(self.advantages),
                           prox_logprobs=pick(self.prox_logprobs), old_values=pick(self.old_values),
-                          returns=pick(self.returns), ref_logprobs=pick(self.ref_logprobs), cpu_rows=at)
+                          returns=pick(self.returns), ref_logprobs=pick(self.ref_logprobs), refused=pick(self.refused),
+                          cpu_rows=at)
 
 
 @dataclasses.dataclass
@@ -72,6 +74,7 @@ class MicroBatch:
     old_values: torch.Tensor | None  # (M,)
     returns: torch.Tensor | None  # (M,)
     ref_logprobs: torch.Tensor | None  # (M,)
+    refused: torch.Tensor | None  # (M,) the refused turn each token belongs to (0: none)
     cpu_rows: tuple[torch.Tensor, torch.Tensor]  # the rows as indices into the Batch's (N, T) tensors
 
 
@@ -99,6 +102,8 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
     behav = torch.zeros((N, T), dtype=torch.float32)
     token_rewards = torch.zeros((N, T), dtype=torch.float32)
     advantages = torch.zeros((N, T), dtype=torch.float32)
+    refused = torch.zeros((N, T), dtype=torch.long)
+    refused_count = 0
     if algorithm in CRITIC_ALGORITHMS:
         episode_adv, signal = [torch.zeros(len(g.rewards)) for g in groups], [True] * len(groups)
     else:
@@ -127,8 +132,12 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
                 advantages[i, a:b] += step_weight * step
         for (_a, b), r in zip(turns, turn_reward_split(s, len(turns))):
             token_rewards[i, b - 1] += r
-        if refused_turns != "train" and len(turns) == s.num_turns:
+        if len(turns) == s.num_turns:  # not an agent's sample, whose turns cannot be told apart
             for a, b in (turns[k] for k in s.refused_turns):
+                refused_count += 1
+                refused[i, a:b] = refused_count
+                if refused_turns == "train":
+                    continue
                 if refused_turns == "drop":
                     loss_mask[i, a:b] = 0
                 else:
@@ -147,8 +156,9 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
     temperature = torch.tensor([float(g.sampling.get("temperature", 1.0)) or 1.0
                                 for g in groups for _ in g.samples], dtype=torch.float32)
     stale = torch.tensor(stale if stale is not None else [False] * N, dtype=torch.bool)
+    refused[:, 0] = 0
     return Batch(tokens, attention, loss_mask, generated, behav, advantages, token_rewards, stale, temperature,
-                 np.concatenate([g.rewards for g in groups]), np.array(signal), len(groups))
+                 np.concatenate([g.rewards for g in groups]), np.array(signal), len(groups), refused)
 
 
 def turn_spans(loss_mask: np.ndarray) -> list[tuple[int, int]]:

@@ -35,6 +35,7 @@ from learner.algorithms import (
     kl_penalty,
     loss_metrics,
     policy_loss,
+    refused_unlikelihood,
     tis_loss,
     value_loss,
     vtrace,
@@ -48,7 +49,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "lm."  # the scorer's name for the causal LM inside it
 STATS = ("tokens", "kept", "w", "w2", "kl", "truncated", "rejected", "clipped", "ratio", "loss", "entropy",
-         "generated", "value_loss", "kl_ref")  # summed over micro-batches, updates and ranks
+         "generated", "value_loss", "kl_ref", "refused_n", "refused_p", "refused_ul")  # summed over micro-batches, updates and ranks
 
 
 def place(model: torch.nn.Module, cfg: LearnerConfig, device: torch.device) -> torch.nn.Module:
@@ -112,7 +113,8 @@ class Trainer:
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         cfg, rank = self.cfg, self.parallel.rank
-        if batch.num_trained_tokens == 0 and cfg.entropy_coef == 0:
+        unlikely = cfg.refused_unlikelihood > 0 and batch.refused is not None and bool(batch.refused.any())
+        if batch.num_trained_tokens == 0 and cfg.entropy_coef == 0 and not unlikely:
             return {"learner/skipped": 1.0}
         self.scorer.train()
         steps = plan(batch, cfg.minibatches, self.parallel.world, cfg.max_tokens_per_microbatch)
@@ -144,6 +146,10 @@ class Trainer:
             metrics["learner/vtrace_frac"] = vtrace_share
         if self.reference is not None:
             metrics["learner/kl_ref"] = summed["kl_ref"] / updates
+        if summed["refused_n"]:  # the policy's probability of the actions the env refused, as it trained on them
+            metrics["learner/refused_prob"] = summed["refused_p"] / summed["refused_n"]
+            if cfg.refused_unlikelihood:
+                metrics["learner/loss/refused"] = summed["refused_ul"] / summed["refused_n"]
         metrics.update({
             "learner/loss/policy": summed["loss"] / updates,
             "learner/entropy": summed["entropy"] / max(summed["generated"], 1.0),
@@ -284,6 +290,13 @@ class Trainer:
         # collapsed (deterministic) policy needs the push back towards exploring.
         loss = pg_loss - cfg.entropy_coef * entropy.sum() / n_gen
         stats.update(loss=pg_loss.detach(), entropy=entropy.detach().sum(), generated=torch.tensor(float(len(cur))))
+        if mb.refused is not None:
+            ul, probs = refused_unlikelihood(cur, mb.refused)
+            if len(ul):
+                if cfg.refused_unlikelihood:  # over every generated token, as the entropy: groups without signal too
+                    loss = loss + cfg.refused_unlikelihood * ul.sum() / n_gen
+                stats.update(refused_n=torch.tensor(float(len(ul))), refused_p=probs.detach().sum(),
+                             refused_ul=ul.detach().sum())
         if values is not None:
             v_loss = value_loss(values, mb.returns, mb.old_values, mb.loss_mask, cfg.vf_clip) / n_train
             loss = loss + cfg.vf_coef * v_loss

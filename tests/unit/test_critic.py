@@ -240,3 +240,39 @@ def test_a_refused_turns_reward_ranks_it_below_its_anchor_groups_other_turns():
         Config(learner=LearnerConfig(refused_reward=-0.1))
     with pytest.raises(ValueError, match="less than or equal to 0"):
         LearnerConfig(algorithm="gigpo", refused_reward=0.1)
+
+
+def test_refused_unlikelihood_pushes_down_a_sure_refused_action_where_the_policy_gradient_barely_does(tiny_model):
+    """learner.refused_unlikelihood: -log(1 - P) per refused turn, P its whole action's probability.
+    At an action the policy is sure of (two tokens at p = 0.995, P = 0.99) a policy gradient's push
+    on a token's logit is 1 - p; this term's is P (1 - p) / (1 - P), a hundred times more. In the
+    trainer it acts in a group without signal (no policy gradient at all there), and only with a
+    weight; learner/refused_prob reads the refused actions' probability either way."""
+    from learner.algorithms import refused_unlikelihood
+
+    logits = torch.zeros(2, 5)
+    logits[:, 0] = float(np.log(0.995 * 4 / 0.005))  # token 0 at p = 0.995 at both positions
+    logits.requires_grad_(True)
+    action = torch.log_softmax(logits, -1)[:, 0]
+    ul, probs = refused_unlikelihood(action, torch.tensor([3, 3]))
+    assert probs.item() == pytest.approx(0.995 ** 2, rel=1e-5)
+    assert ul.item() == pytest.approx(-np.log(1 - 0.995 ** 2), rel=1e-4)
+    (ul_grad,) = torch.autograd.grad(ul.sum(), logits)
+    logits.grad = None
+    (pg_grad,) = torch.autograd.grad(torch.log_softmax(logits, -1)[:, 0].sum(), logits)  # a push down at advantage -1
+    assert ul_grad[0, 0].item() == pytest.approx(0.995 ** 2 * 0.005 / (1 - 0.995 ** 2), rel=1e-3)
+    assert pg_grad[0, 0].item() == pytest.approx(0.005, rel=1e-3)
+    assert ul_grad[0, 0].item() > 90 * pg_grad[0, 0].item()
+    assert refused_unlikelihood(action, torch.tensor([0, 0]))[0].numel() == 0  # no refused turn: no term
+
+    rng = np.random.default_rng(7)
+    group = multi_turn_group(rng, [([0.0, 0.0], ["a", "b"]), ([0.0, 0.0, 0.0], ["a", "b", "c"])])  # no signal
+    group.samples[1].refused_turns = [1, 2]
+    batch = lambda: collate([group], "grpo")  # noqa: E731
+    assert batch().num_trained_tokens == 0 and sorted(batch().refused.unique().tolist()) == [0, 1, 2]
+    assert trainer_for(tiny_model, entropy_coef=0.0).train_step(batch()) == {"learner/skipped": 1.0}
+    trainer = trainer_for(tiny_model, entropy_coef=0.0, refused_unlikelihood=1.0, lr=1e-2)
+    steps = [trainer.train_step(batch()) for _ in range(5)]
+    probs = [m["learner/refused_prob"] for m in steps]
+    assert all(0 < p < 1 for p in probs) and probs[-1] < probs[0] / 2, probs
+    assert steps[0]["learner/loss/refused"] == pytest.approx(-np.log(1 - probs[0]), rel=0.2)

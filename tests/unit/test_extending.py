@@ -154,6 +154,9 @@ def test_a_refused_observation_is_the_specs_pattern_from_its_start():
     check_refused(cfg)
     with pytest.raises(Failed, match=r"env.spec.refused = '\(' is not a regular expression"):
         check_refused(load_config(None, ['env.spec.refused="("'], environ={}))
+    with pytest.raises(Failed, match="learner.refused_unlikelihood = 0.5, but env 'letters'") as failed:
+        check_refused(load_config(None, ["learner.refused_unlikelihood=0.5"], environ={}))
+    assert "learner.refused_unlikelihood = 0" in failed.value.fix
 
 
 def load_config_text(text: str):
