@@ -88,8 +88,9 @@ TEXTCRAFT = Recipe("textcraft", "depth", {"max_turns": 30, "max_tokens": 40, "ma
                    MODEL,
                    {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "collect_noise": 0.2,
                     "sft_epochs": 4.0, "sft_eval_start": False, "sft_lr": 1e-3, "sft_batch_size": 16,
-                    "sft_eval_episodes": 48, "rl_steps": 60, "variants": 10, "rl_depths": "1,2,3,4"},
-                   ("test_goals", "split_seed", "variants", "rl_depths"))
+                    "sft_eval_episodes": 48, "rl_steps": 60, "variants": 10, "rl_depths": "1,2,3,4",
+                    "rl_goals": 0},
+                   ("test_goals", "split_seed", "variants", "rl_depths", "rl_goals"))
 RECIPES = {r.env: r for r in (BABYAI, TEXTCRAFT)}
 STAGES = ("tasks", "model", "collect", "sft", "before")  # then "rl" and "after" for each seed
 
@@ -109,6 +110,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                                 "tasks, v = 0) (10)")
     p.add_argument("--rl-depths", help="textcraft: recipe depths whose train goals the RL stage trains on (default "
                                        "1,2,3,4: all)")
+    p.add_argument("--rl-goals", type=int, help="textcraft: train goals of the RL depths (a share of each) that SFT "
+                                                "never sees and RL alone trains on, as new to the model as the held-out "
+                                                "ones (0: RL on SFT's goals)")
     p.add_argument("--episodes", type=int, help="oracle episodes to fine-tune on (babyai 4000; textcraft: 0, "
                                                 "one per train goal)")
     p.add_argument("--eval-samples", type=int, help="sampled episodes per held-out task besides the greedy one, "
@@ -165,25 +169,28 @@ def make_demo(args: argparse.Namespace) -> Demo:
     args.out = args.out or f"runs/demo-{recipe.env}"
     if args.seeds < 1:
         raise SystemExit(f"error: --seeds takes 1 or more, got {args.seeds}")
-    strata, rl_strata = split(recipe, args)
+    strata, rl_train = split(recipe, args)
     out = Path(args.out)
     if args.fresh and out.exists():
         import shutil
 
         shutil.rmtree(out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    return Demo(out, args, recipe, strata, rl_strata)
+    return Demo(out, args, recipe, strata, rl_train)
 
 
-def split(recipe: Recipe, args: argparse.Namespace) -> tuple[dict[str, tuple[list[int], list[int]]], list[str]]:
-    """{stratum: (train task ids, test task ids)}, and the strata the RL stage trains on."""
+def split(recipe: Recipe, args: argparse.Namespace) -> tuple[dict[str, tuple[list[int], list[int]]],
+                                                             dict[str, list[int]]]:
+    """{stratum: (train task ids, test task ids)}, and {stratum the RL stage trains on: its task
+    ids}: the stratum's train tasks, or with TextCraft's --rl-goals goals of their own that SFT
+    never sees."""
     if recipe is BABYAI:
         levels, rl_levels = _numbers(args.levels, "--levels", 1, 40), _numbers(args.rl_levels, "--rl-levels", 1, 40)
         if not set(rl_levels) <= set(levels):
             raise SystemExit(f"error: --rl-levels {rl_levels} must be among --levels {levels}")
         test = range(TEST_SEEDS, TEST_SEEDS + args.eval_episodes)
-        return ({str(level): (task_ids([level], range(args.train_seeds)), task_ids([level], test)) for level in levels},
-                [str(level) for level in rl_levels])
+        strata = {str(level): (task_ids([level], range(args.train_seeds)), task_ids([level], test)) for level in levels}
+        return strata, {str(level): strata[str(level)][0] for level in rl_levels}
     from envs.textcraft import GOALS, goal_depths
 
     if not 1 <= args.test_goals < GOALS:
@@ -194,13 +201,22 @@ def split(recipe: Recipe, args: argparse.Namespace) -> tuple[dict[str, tuple[lis
     for goal, depth in enumerate(goal_depths()):
         by_depth.setdefault(depth, []).append(goal)
     quotas = shares(args.test_goals, {depth: len(goals) for depth, goals in by_depth.items()})
-    rng, strata = random.Random(args.split_seed), {}
+    rl_depths = _numbers(args.rl_depths, "--rl-depths", 1, max(by_depth))
+    train_goals = {depth: len(goals) - quotas[depth] for depth, goals in by_depth.items() if depth in rl_depths}
+    if not 0 <= args.rl_goals < sum(train_goals.values()) - len(train_goals) + 1:
+        raise SystemExit(f"error: --rl-goals takes 0-{sum(train_goals.values()) - len(train_goals)} (SFT keeps a "
+                         f"train goal of every RL depth), got {args.rl_goals}")
+    rl_quotas = shares(args.rl_goals, train_goals) if args.rl_goals else {}
+    rng, strata, rl_train = random.Random(args.split_seed), {}, {}
+    tasks = lambda goals: [goal + GOALS * variant for variant in range(args.variants) for goal in sorted(goals)]  # noqa: E731
     for depth, goals in sorted(by_depth.items()):
         goals = rng.sample(goals, len(goals))
-        held, kept = goals[:quotas[depth]], sorted(goals[quotas[depth]:])
-        strata[str(depth)] = ([goal + GOALS * variant for variant in range(args.variants) for goal in kept], sorted(held))
-    rl_depths = [str(depth) for depth in _numbers(args.rl_depths, "--rl-depths", 1, max(by_depth))]
-    return strata, rl_depths
+        held, kept = goals[:quotas[depth]], goals[quotas[depth]:]
+        rl_only = kept[:rl_quotas.get(depth, 0)]  # drawn after the held-out ones: --rl-goals leaves them as they were
+        strata[str(depth)] = (tasks(kept[len(rl_only):]), sorted(held))
+        if depth in rl_depths:
+            rl_train[str(depth)] = tasks(rl_only) if rl_only else strata[str(depth)][0]
+    return strata, rl_train
 
 
 def shares(total: int, sizes: dict[int, int]) -> dict[int, int]:
@@ -257,8 +273,9 @@ def task_ids(levels: list[int], seeds: range) -> list[int]:
 
 
 class Demo:
-    def __init__(self, out: Path, args: argparse.Namespace, recipe: Recipe, strata: dict, rl_strata: list[str]):
-        self.out, self.args, self.recipe, self.strata, self.rl_strata = out, args, recipe, strata, rl_strata
+    def __init__(self, out: Path, args: argparse.Namespace, recipe: Recipe, strata: dict, rl_train: dict):
+        self.out, self.args, self.recipe, self.strata, self.rl_train = out, args, recipe, strata, rl_train
+        self.rl_strata = list(rl_train)
         self.env = recipe.env
         self.times: dict[str, float] = {}
         self.skipped: list[str] = []
@@ -317,9 +334,9 @@ class Demo:
     def tasks(self) -> None:
         # Interleaved: `omrl collect --episodes N` plays the first N train tasks and SFT's curve
         # the first held-out ones, so every prefix holds each stratum in proportion.
-        for name, keys in (("all", list(self.strata)), ("rl", self.rl_strata)):
-            write_tasks(self.out / "tasks" / name, self.env, interleave([self.strata[k][0] for k in keys]),
-                        interleave([self.strata[k][1] for k in keys]))
+        for name, train in (("all", {k: tr for k, (tr, _te) in self.strata.items()}), ("rl", self.rl_train)):
+            write_tasks(self.out / "tasks" / name, self.env, interleave(list(train.values())),
+                        interleave([self.strata[k][1] for k in train]))
         for key, (train, test) in self.strata.items():
             write_tasks(self.stratum_dir(key), self.env, train, test)
         (self.out / "config.toml").write_text(to_toml({"env": {"name": self.env}, "actor": self.recipe.actor}))

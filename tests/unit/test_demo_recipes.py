@@ -56,6 +56,28 @@ def test_textcraft_holds_out_a_share_of_every_depth_and_the_seed_picks_which(tmp
         demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "e"), "--variants", "0"))
 
 
+def test_textcraft_rl_goals_are_train_goals_sft_never_sees(tmp_path):
+    """--rl-goals N: N train goals of the RL depths leave SFT's data and are RL's alone, as new to
+    the model as the held-out ones; the held-out goals and the other depths stay as they were."""
+    from envs.textcraft import GOALS
+
+    plain = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "a"), "--rl-depths", "1"))
+    assert plain.rl_train == {"1": plain.strata["1"][0]}  # by default RL plays SFT's goals
+    demo = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "b"), "--rl-depths", "1", "--rl-goals",
+                                      "46"))
+    goals = lambda tasks: {t % GOALS for t in tasks}  # noqa: E731
+    rl, sft, held = goals(demo.rl_train["1"]), goals(demo.strata["1"][0]), set(demo.strata["1"][1])
+    assert len(rl) == 46 and len(demo.rl_train["1"]) == 460 and not rl & sft and not rl & held
+    assert rl | sft == goals(plain.strata["1"][0]) and demo.strata["1"][1] == plain.strata["1"][1]
+    assert all(demo.strata[k] == plain.strata[k] for k in ("2", "3", "4"))
+    demo.tasks()
+    sft_tasks = read_tasks(tmp_path / "b" / "tasks" / "all" / "train.parquet", "textcraft")
+    rl_tasks = read_tasks(tmp_path / "b" / "tasks" / "rl" / "train.parquet", "textcraft")
+    assert not goals(sft_tasks) & rl and goals(rl_tasks) == rl
+    with pytest.raises(SystemExit, match="--rl-goals takes 0-91"):
+        demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "c"), "--rl-depths", "1", "--rl-goals", "92"))
+
+
 def test_each_recipe_refuses_the_others_flags(tmp_path):
     with pytest.raises(SystemExit, match="--levels is not a flag of the textcraft recipe"):
         demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path), "--levels", "1"))
