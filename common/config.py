@@ -339,7 +339,8 @@ class LearnerConfig(Section):
     policy gradient barely moves an action the policy is sure of (its gradient in a token's logit is
     1 - p); this one's stays up to P there, so a refused action repeated at P = 0.99 is still pushed
     down (learner/refused_prob). 0: off. Needs env.spec.refused and the actor's own episode loop
-    (an agent's turns are not read)."""
+    (an agent's turns are not read). On TextCraft at weight 1 the refused actions were not sure ones
+    (P 0.22) and the policy collapsed (docs/results/textcraft-demo.md, section 11)."""
     kl_coef: float = Field(0.0, ge=0)
     """Weight of a KL penalty to the frozen starting model (0: off, no reference kept). The reference is
     kept in the compute's precision (bf16 under learner.precision = "bf16"), sharded under fsdp2."""
