@@ -203,9 +203,10 @@ def split(recipe: Recipe, args: argparse.Namespace) -> tuple[dict[str, tuple[lis
     quotas = shares(args.test_goals, {depth: len(goals) for depth, goals in by_depth.items()})
     rl_depths = _numbers(args.rl_depths, "--rl-depths", 1, max(by_depth))
     train_goals = {depth: len(goals) - quotas[depth] for depth, goals in by_depth.items() if depth in rl_depths}
-    if not 0 <= args.rl_goals < sum(train_goals.values()) - len(train_goals) + 1:
-        raise SystemExit(f"error: --rl-goals takes 0-{sum(train_goals.values()) - len(train_goals)} (SFT keeps a "
-                         f"train goal of every RL depth), got {args.rl_goals}")
+    most = sum(train_goals.values()) - len(train_goals)  # SFT keeps a train goal of every RL depth
+    if not 0 <= args.rl_goals <= most:
+        raise SystemExit(f"error: --rl-goals takes 0-{most} (SFT keeps a train goal of every RL depth), "
+                         f"got {args.rl_goals}")
     rl_quotas = shares(args.rl_goals, train_goals) if args.rl_goals else {}
     rng, strata, rl_train = random.Random(args.split_seed), {}, {}
     tasks = lambda goals: [goal + GOALS * variant for variant in range(args.variants) for goal in sorted(goals)]  # noqa: E731

@@ -28,7 +28,7 @@ class Batch:
     rewards: np.ndarray  # (episodes,) each episode's reward once (an agent's segments are samples of one)
     group_signal: np.ndarray  # (n_groups,) bool
     num_groups: int
-    refused: torch.Tensor | None = None  # (N, T) long: on each refused turn's tokens its id in the batch (from 1), else 0
+    refused: torch.Tensor  # (N, T) long: on each refused turn's tokens its id in the batch (from 1), else 0
     prox_logprobs: torch.Tensor | None = None  # (N, T), filled by the trainer when it needs them
     old_values: torch.Tensor | None = None  # (N, T) the critic's values before the update
     returns: torch.Tensor | None = None  # (N, T) the critic's targets
@@ -74,7 +74,7 @@ class MicroBatch:
     old_values: torch.Tensor | None  # (M,)
     returns: torch.Tensor | None  # (M,)
     ref_logprobs: torch.Tensor | None  # (M,)
-    refused: torch.Tensor | None  # (M,) the refused turn each token belongs to (0: none)
+    refused: torch.Tensor  # (M,) the refused turn each token belongs to (0: none)
     cpu_rows: tuple[torch.Tensor, torch.Tensor]  # the rows as indices into the Batch's (N, T) tensors
 
 
@@ -156,7 +156,6 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
     temperature = torch.tensor([float(g.sampling.get("temperature", 1.0)) or 1.0
                                 for g in groups for _ in g.samples], dtype=torch.float32)
     stale = torch.tensor(stale if stale is not None else [False] * N, dtype=torch.bool)
-    refused[:, 0] = 0
     return Batch(tokens, attention, loss_mask, generated, behav, advantages, token_rewards, stale, temperature,
                  np.concatenate([g.rewards for g in groups]), np.array(signal), len(groups), refused)
 

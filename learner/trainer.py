@@ -113,7 +113,7 @@ class Trainer:
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         cfg, rank = self.cfg, self.parallel.rank
-        unlikely = cfg.refused_unlikelihood > 0 and batch.refused is not None and bool(batch.refused.any())
+        unlikely = cfg.refused_unlikelihood > 0 and bool(batch.refused.any())
         if batch.num_trained_tokens == 0 and cfg.entropy_coef == 0 and not unlikely:
             return {"learner/skipped": 1.0}
         self.scorer.train()
@@ -290,13 +290,12 @@ class Trainer:
         # collapsed (deterministic) policy needs the push back towards exploring.
         loss = pg_loss - cfg.entropy_coef * entropy.sum() / n_gen
         stats.update(loss=pg_loss.detach(), entropy=entropy.detach().sum(), generated=torch.tensor(float(len(cur))))
-        if mb.refused is not None:
-            ul, probs = refused_unlikelihood(cur, mb.refused)
-            if len(ul):
-                if cfg.refused_unlikelihood:  # over every generated token, as the entropy: groups without signal too
-                    loss = loss + cfg.refused_unlikelihood * ul.sum() / n_gen
-                stats.update(refused_n=torch.tensor(float(len(ul))), refused_p=probs.detach().sum(),
-                             refused_ul=ul.detach().sum())
+        ul, probs = refused_unlikelihood(cur, mb.refused)
+        if len(ul):
+            if cfg.refused_unlikelihood:  # over every generated token, as the entropy: groups without signal too
+                loss = loss + cfg.refused_unlikelihood * ul.sum() / n_gen
+            stats.update(refused_n=torch.tensor(float(len(ul))), refused_p=probs.detach().sum(),
+                         refused_ul=ul.detach().sum())
         if values is not None:
             v_loss = value_loss(values, mb.returns, mb.old_values, mb.loss_mask, cfg.vf_clip) / n_train
             loss = loss + cfg.vf_coef * v_loss
