@@ -41,10 +41,11 @@ class ServerPolicy:
     """The env server's own policy (`oracle` or `random`): the action comes from the server; its
     text goes into the token buffer as if generated (log-prob 0, version -1).
 
-    `noise`: the share of the oracle's turns where the random policy acts instead, outside the
-    loss mask (Turn.trained): the episodes then show the oracle recovering from mistakes, the
-    states a model that learned from clean episodes alone never saw (DAgger's point, without a
-    model in the loop). The oracle plans from the state it finds, so it recovers."""
+    `noise`: the share of the oracle's turns where a mistake (the env's `mistake_action`: a
+    random action unless the env has a typical mistake) takes their place, outside the loss mask
+    (Turn.trained): the episodes then show the oracle recovering from mistakes, the states a
+    model that learned from clean episodes alone never saw (DAgger's point, without a model in
+    the loop). The oracle plans from the state it finds, so it recovers."""
 
     def __init__(self, setup: EpisodeSetup, kind: str, noise: float = 0.0, seed: int = 0):
         if kind not in ("oracle", "random"):
@@ -57,7 +58,10 @@ class ServerPolicy:
     async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None) -> Turn:
         env = self.setup.env
         noisy = self.kind == "oracle" and self.rng.random() < self.noise
-        action = await (env.random_action(env_id) if noisy or self.kind == "random" else env.oracle_action(env_id))
+        if noisy:
+            action = await env.mistake_action(env_id)
+        else:
+            action = await (env.random_action(env_id) if self.kind == "random" else env.oracle_action(env_id))
         ids = self.setup.format.agent_turn(action)
         return Turn(Generation(ids, [0.0] * len(ids), "stop"), -1, action=action, trained=not noisy)
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from benchmarks.common import pyplot, row, wait_http
 
 ROUTES = {"/": "GET", "/stats": "GET", "/create": "POST", "/reset": "POST", "/step": "POST", "/observation": "GET",
-          "/oracle": "GET", "/random": "GET", "/close": "POST", "/nope": "POST"}  # each route's own method
+          "/oracle": "GET", "/random": "GET", "/mistake": "GET", "/close": "POST", "/nope": "POST"}  # each route's own method
 FIELDS = ["id", "data_idx", "action", "seed"]
 VALUES = [None, True, 0, -5, 2**70, 1.5, "", "x" * 300, [1, 2], {"a": 1}]
 

@@ -9,8 +9,9 @@ turn caps, the model's shape, the stages' defaults):
                   share of every depth (144 goals in all: goals never crafted in training)
     2. model      a Qwen2 from scratch with a word tokenizer learned from the env's text
     3. collect    the oracle's episodes on the train split (`omrl collect`); TextCraft's with a
-                  fifth of the turns random and left out of the loss (`--collect-noise`), so
-                  they show recovering from mistakes, over 10 variants of each train goal
+                  fifth of the turns mistakes (a wrong count, an early craft, a random action)
+                  left out of the loss (`--collect-noise`), so they show recovering from
+                  them, over 10 variants of each train goal
     4. sft        supervised fine-tuning on them (`omrl sft`), with a held-out success curve
     5. before     the SFT model plays each stratum's held-out tasks greedily; with
                   --eval-samples K (TextCraft: 8) also K sampled episodes a task at temperature 1:
@@ -117,7 +118,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                                                 "one per train goal)")
     p.add_argument("--eval-samples", type=int, help="sampled episodes per held-out task besides the greedy one, "
                                                     "for pass@1 (babyai 0, textcraft 8)")
-    p.add_argument("--collect-noise", type=float, help="the share of the oracle's turns a random action takes, "
+    p.add_argument("--collect-noise", type=float, help="the share of the oracle's turns a mistake takes, "
                                                        "outside the loss: episodes that show recovering from "
                                                        "mistakes (babyai 0, textcraft 0.2)")
     p.add_argument("--sft-epochs", type=float)

@@ -10,6 +10,8 @@ Adding an env is a class with ``reset`` and ``step`` and one decorator::
 Optional, each with a default: ``observation`` (the current observation), ``oracle_action``
 (an expert's next action, for tests and oracle trajectories; served as ``GET /oracle``),
 ``random_action`` (the random baseline's next action; served as ``GET /random``),
+``mistake_action`` (a mistake the expert could make now, the noise of ``omrl collect --noise``;
+served as ``GET /mistake``; by default a random action),
 ``reset_fields`` (extra top-level fields of the ``/reset`` answer, where AgentGym's server
 of the same env sends some) and ``close`` (free what the instance holds: a JVM, say).
 
@@ -83,6 +85,12 @@ class Env:
     def random_action(self, rng: random.Random) -> str:
         """An action drawn uniformly from the actions that make sense now: the random baseline."""
         raise NotImplementedError(f"{type(self).__name__} has no random policy")
+
+    def mistake_action(self, rng: random.Random) -> str:
+        """A mistake the expert could make now: the noise `omrl collect --noise` mixes into the
+        oracle's episodes, outside the loss, so that they show the recovery. By default a random
+        action; an env whose models fail in a typical way makes that mistake instead."""
+        return self.random_action(rng)
 
     def close(self) -> None:
         """Free what the instance holds; called once, when the client closes it or it is reaped."""

@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 NOT_SENT = (aiohttp.ClientConnectorError,)  # the connection was never opened
 MAYBE_DONE = (aiohttp.ClientConnectionError, asyncio.TimeoutError)  # sent, answer lost
 RETRY_STATUS = {503}
-IDEMPOTENT = {"/", "/stats", "/reset", "/observation", "/oracle", "/random", "/close"}
+IDEMPOTENT = {"/", "/stats", "/reset", "/observation", "/oracle", "/random", "/mistake", "/close"}
 MAX_ATTEMPTS = 5
 # 0.2 s after the first failure, doubling (the cap is never reached in MAX_ATTEMPTS); each
 # request narrows `retryable` to what it may repeat (see above).
@@ -165,6 +165,10 @@ class EnvClient:
     async def random_action(self, env_id: int) -> str:
         """The random baseline's next action (our env servers only)."""
         return (await self._request("GET", "/random", env_id=env_id, params={"id": str(env_id)}))["action"]
+
+    async def mistake_action(self, env_id: int) -> str:
+        """A mistake the expert could make now (our env servers only)."""
+        return (await self._request("GET", "/mistake", env_id=env_id, params={"id": str(env_id)}))["action"]
 
     async def close(self, env_id: int) -> bool:
         try:

@@ -8,6 +8,7 @@
     GET  /observation?id=     a string
     GET  /oracle?id=          {"action": str}: an expert's next action (our envs only)
     GET  /random?id=          {"action": str}: the random baseline's next action (our envs only)
+    GET  /mistake?id=         {"action": str}: a mistake the expert could make now (our envs only)
     POST /close               {"id"}                   -> true
 
 The extra fields of /reset and /step (`score`, `success`, ...) are the env's own, named as
@@ -249,6 +250,12 @@ class EnvServer:
                                   in_episode=True)
         return web.json_response({"action": action})
 
+    async def mistake(self, request: web.Request) -> web.Response:
+        rng = self._rng
+        action = await self._call(self._query_id(request), "mistake", lambda env: env.mistake_action(rng),
+                                  in_episode=True)
+        return web.json_response({"action": action})
+
     async def close(self, request: web.Request) -> web.Response:
         env_id = self._int(await self._body(request), "id")
         inst = self._instance(env_id)
@@ -277,6 +284,7 @@ class EnvServer:
             web.get("/observation", self.observation),
             web.get("/oracle", self.oracle),
             web.get("/random", self.random),
+            web.get("/mistake", self.mistake),
             web.post("/close", self.close),
         ])
 

@@ -31,7 +31,8 @@ more than one episode a goal to learn from (`omrl demo textcraft --variants`).
 
 The oracle reads the whole recipe tree: for what the goal needs and is not in the
 inventory, it gets all base items (one `get` per item) then crafts one batch at a time,
-shallowest recipe first.
+shallowest recipe first. Its mistakes (`mistake_action`, the noise of `omrl collect --noise`)
+are a model's: a `get` of the wrong count, a craft before its inputs are there.
 """
 
 from __future__ import annotations
@@ -202,9 +203,14 @@ class TextCraftEnv(Env):
         return f"Crafted {made.count} {made_id}", int(made_id == self.goal)
 
     # -- baselines -------------------------------------------------------------------
-    def oracle_action(self) -> str:
+    def _planned(self) -> list[str]:
+        """The oracle's plan from the inventory it finds: gets and crafts, in order."""
         actions: list[str] = []
         self._plan(self.goal, 1, dict(self.inventory), actions)
+        return actions
+
+    def oracle_action(self) -> str:
+        actions = self._planned()
         gets = [a for a in actions if a.startswith("get ")]
         if gets:  # base items first, each in one go
             item = gets[0].split(" ", 2)[2]
@@ -249,6 +255,20 @@ class TextCraftEnv(Env):
             inputs = rng.choice(lines).split(" using ")[-1].split(", ")
             return "get " + rng.choice(inputs)
         return "inventory"
+
+    def mistake_action(self, rng: random.Random) -> str:
+        """Half the time the oracle's next `get` gone wrong as a model's goes wrong: another count
+        (the sum of what the recipes need is where a model errs; the oracle then gets the rest), or
+        the plan's first craft before its inputs are there (refused; the oracle then gets them).
+        Otherwise, and where the next action is a craft, a random action."""
+        action = self.oracle_action()
+        if (m := re.match(r"get ([0-9]+) (.*)", action)) and rng.random() < 0.5:
+            crafts = [a for a in self._planned() if a.startswith("craft ")]
+            if crafts and rng.random() < 0.5:
+                return crafts[0]
+            n = int(m.group(1))
+            return f"get {rng.choice([k for k in range(1, 2 * n + 2) if k != n])} {m.group(2)}"
+        return self.random_action(rng)
 
     def reset_fields(self) -> dict[str, Any]:
         return {"done": False, "reward": 0}

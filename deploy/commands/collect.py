@@ -19,9 +19,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--split", choices=("train", "test"), default="train", help="which split's tasks (default train)")
     p.add_argument("--only-success", action="store_true", help="keep only the episodes that solved their task")
     p.add_argument("--noise", type=float, default=0.0,
-                   help="oracle: the share of turns the random policy plays instead, left out of the loss, so the "
-                        "episodes show the oracle recovering from mistakes (default 0)")
-    p.add_argument("--seed", type=int, default=0, help="--noise: the seed of which turns are random")
+                   help="oracle: the share of turns a mistake takes instead (the env's: a random action, or the env's "
+                        "typical mistake), left out of the loss, so the episodes show the oracle recovering from "
+                        "mistakes (default 0)")
+    p.add_argument("--seed", type=int, default=0, help="--noise: the seed of which turns are mistakes")
 
 
 def main(args: argparse.Namespace) -> int:

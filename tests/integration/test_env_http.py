@@ -220,7 +220,7 @@ def test_past_the_cap_create_answers_503_with_retry_after():
     with_server(scenario, max_envs=2)
 
 
-def test_oracle_and_random_actions_over_http():
+def test_oracle_random_and_mistake_actions_over_http():
     """Given while an episode is under way; before its reset and after its end they are refused
     (409), the instance kept (the fuzz test found the oracle crashing there, which freed it)."""
     async def scenario(client, session, port, server):
@@ -230,10 +230,11 @@ def test_oracle_and_random_actions_over_http():
         obs = (await client.reset(env_id, 7)).observation
         assert await client.oracle_action(env_id) == obs[-1]
         assert await client.random_action(env_id) in "ab"
+        assert await client.mistake_action(env_id) in "ab"  # an env without its own mistake: a random action
         result = await client.step(env_id, await client.oracle_action(env_id))
         assert result.reward == pytest.approx(0.5) and "success" in result.info
         assert (await client.step(env_id, await client.oracle_action(env_id))).done
-        for action in (client.oracle_action, client.random_action):
+        for action in (client.oracle_action, client.random_action, client.mistake_action):
             with pytest.raises(EnvError, match="409.*no episode under way"):
                 await action(env_id)
         assert env_id in server.instances and server.stats["failed"] == 0

@@ -55,3 +55,35 @@ def test_same_task_same_observation(server):
 def test_oracle_solves_held_out_tasks_through_our_client(server):
     result = oracle_eval("textcraft", server, 20, "actor.max_turns=40", "actor.max_seq_len=100000")
     assert result["episodes"] == 20 and result["success"] >= 0.9, result
+
+
+def test_the_oracles_mistakes_are_a_models_and_it_recovers_from_them():
+    """`mistake_action` (the noise of `omrl collect --noise`): wrong counts of the oracle's next
+    `get` and crafts before their inputs are there, refused by the env, and the oracle, planning
+    from the inventory it finds, still solves every goal after them."""
+    import random
+
+    from envs.base import make_env
+
+    rng, kinds, refused = random.Random(0), {"count": 0, "early craft": 0, "random": 0}, 0
+    for task in range(0, 544, 4):  # every depth
+        env = make_env("textcraft")
+        env.reset(task)
+        done, turns = False, 0
+        while not done:
+            turns += 1
+            assert turns <= 80, f"task {task}: the oracle did not recover"
+            mistaken = rng.random() < 0.3
+            action = env.mistake_action(rng) if mistaken else env.oracle_action()
+            if mistaken:
+                right = env.oracle_action()
+                same_item = action.split(" ", 2)[2:] == right.split(" ", 2)[2:]
+                kind = ("count" if action.startswith("get ") and right.startswith("get ") and same_item
+                        and action != right else "early craft" if action.startswith("craft ") and right.startswith("get ")
+                        and action in env._planned() else "random")
+                kinds[kind] += 1
+            result = env.step(action)
+            refused += mistaken and result.observation.startswith("Could not")
+            done = result.done
+        assert result.info["success"], task
+    assert min(kinds.values()) >= 10 and refused >= 10, (kinds, refused)
