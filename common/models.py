@@ -27,6 +27,20 @@ TINY_CHAT_TEMPLATE = (
     "{% else %}{{ 'U: ' + message['content'] }}{% endif %}"
     "{% endfor %}"
 )
+# The same with each turn marked, as real chat templates mark them: "U: " and the observation and
+# a line break, "A: " and the answer and a line break; the generation prompt is "A: ". Where an
+# observation repeats the action it refuses (TextCraft's "Could not execute get"), a model of
+# the unmarked template reads the refused text as the start of its own next action and goes on
+# writing it (docs/results/textcraft-demo.md, section 12).
+TURNS_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if message['role'] == 'assistant' %}{{ 'A: ' + message['content'] + '\\n' }}"
+    "{% elif message['role'] == 'system' %}{{ 'S: ' + message['content'] + '\\n' }}"
+    "{% else %}{{ 'U: ' + message['content'] + '\\n' }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'A: ' }}{% endif %}"
+)
+CHAT_TEMPLATES = {"plain": TINY_CHAT_TEMPLATE, "turns": TURNS_CHAT_TEMPLATE}
 
 
 def build_char_tokenizer(size: int | None = None):
@@ -84,16 +98,17 @@ TINY_MAX_POSITIONS = 4096  # the tiny model's context
 
 def init_tiny_model(out_dir: str | Path, hidden: int = 128, layers: int = 2, heads: int = 2, seed: int = 0,
                     tie_embeddings: bool = False, tokenizer=None, intermediate: int | None = None,
-                    kv_heads: int | None = None) -> Path:
+                    kv_heads: int | None = None, template: str = "plain") -> Path:
     """Build a small Qwen2-architecture causal LM with random weights and `tokenizer` (default:
-    the character one) with TINY_CHAT_TEMPLATE, and save both to `out_dir` with `save_pretrained`.
-    The model's vocabulary is the tokenizer's; `kv_heads` key-value heads (default: `heads`)."""
+    the character one) with the chat template CHAT_TEMPLATES[template] (plain: TINY_CHAT_TEMPLATE),
+    and save both to `out_dir` with `save_pretrained`. The model's vocabulary is the tokenizer's;
+    `kv_heads` key-value heads (default: `heads`)."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)
     tokenizer = tokenizer if tokenizer is not None else build_char_tokenizer()
-    tokenizer.chat_template = TINY_CHAT_TEMPLATE
+    tokenizer.chat_template = CHAT_TEMPLATES[template]
     config = Qwen2Config(
         vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=intermediate or 2 * hidden,
         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads or heads,

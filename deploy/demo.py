@@ -62,7 +62,7 @@ RL_ACTOR = {"group_size": 8, "num_actors": 1, "concurrent_groups": 8, "temperatu
 class Recipe:
     """An env's settings of the demo. `actor`: what every stage shares (AgentGym's raw action
     text after the observation, turns capped as AgentGym's client must cap them: its servers
-    never end an episode on turns); `model`: `omrl init-model`'s shape; `defaults`: the
+    never end an episode on turns); `model`: `omrl init-model`'s shape and template; `defaults`: the
     command line's, where it leaves them out; `own`: the flags only this recipe takes."""
     env: str
     stratum: str  # what a stratum is called: "level", "depth"
@@ -86,7 +86,7 @@ BABYAI = Recipe("babyai", "level", {"max_turns": 10, "max_tokens": 16, "max_seq_
 # over and over: 512 MB (docs/results/textcraft-demo.md).
 TEXTCRAFT = Recipe("textcraft", "depth", {"max_turns": 30, "max_tokens": 40, "max_seq_len": 4096,
                                           "action_template": "raw", "kv_cache_mb": 512},
-                   MODEL,
+                   (*MODEL, "--template", "turns"),  # its refusals repeat the action: each turn marked
                    {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "collect_noise": 0.2,
                     "sft_epochs": 4.0, "sft_eval_start": False, "sft_lr": 1e-3, "sft_batch_size": 16,
                     "sft_eval_episodes": 48, "rl_steps": 60, "variants": 10, "rl_depths": "1,2,3,4",

@@ -21,6 +21,10 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", help="the env whose text the word tokenizer learns (played by its oracle and random policy)")
     p.add_argument("--tasks", help="task files directory: the word tokenizer reads episodes of its train split")
     p.add_argument("--env-episodes", type=int, default=400, help="episodes of --env's text to learn the words from")
+    p.add_argument("--template", choices=("plain", "turns"), default="plain",
+                   help="the chat template: plain: \"U: \" and the observation, then the answer and a line break; "
+                        "turns: each turn marked and on its own line, \"U: \" the observation, \"A: \" the answer, "
+                        "the generation prompt \"A: \"")
 
 
 def main(args: argparse.Namespace) -> int:
@@ -46,5 +50,5 @@ def main(args: argparse.Namespace) -> int:
         tokenizer = build_word_tokenizer(env_texts(args.env, train, episodes=args.env_episodes))
     print(init_tiny_model(args.dir, hidden=args.hidden, layers=args.layers, heads=args.heads,
                           tie_embeddings=args.tie_embeddings, tokenizer=tokenizer, intermediate=args.intermediate,
-                          kv_heads=args.kv_heads))
+                          kv_heads=args.kv_heads, template=args.template))
     return 0

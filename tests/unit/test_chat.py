@@ -6,6 +6,7 @@ in-memory client; tokenizers are the tiny model's (saved and loaded back) and a 
 here. Nothing is downloaded."""
 
 import asyncio
+import copy
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from actors.engine import Generation
 from actors.episode import EpisodeSetup, Turn, run_episode
 from actors.templates import make_template
 from common.config import ActorConfig
-from common.models import TINY_CHAT_TEMPLATE, build_char_tokenizer
+from common.models import TINY_CHAT_TEMPLATE, TURNS_CHAT_TEMPLATE, build_char_tokenizer
 from envs.base import StepResult, make_env
 from envs.specs import spec_for
 
@@ -102,10 +103,17 @@ def letters_of(task_idx: int, turns: int) -> list[str]:
     return list(env.targets)
 
 
-@pytest.mark.parametrize("which", ["tiny", "chatml"])
+def turns_tokenizer(tiny_tokenizer):
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = TURNS_CHAT_TEMPLATE
+    return tokenizer
+
+
+@pytest.mark.parametrize("which", ["tiny", "turns", "chatml"])
 @pytest.mark.parametrize("ending", ["done", "max_turns"])
 def test_episode_equals_the_template_render_of_its_conversation(which, ending, tiny_tokenizer):
-    tokenizer = tiny_tokenizer if which == "tiny" else chatml_tokenizer()
+    tokenizer = {"tiny": lambda: tiny_tokenizer, "turns": lambda: turns_tokenizer(tiny_tokenizer),
+                 "chatml": chatml_tokenizer}[which]()
     turns, max_turns = (3, 4) if ending == "done" else (3, 2)
     texts = [f"<action>{x}</action>" for x in letters_of(0, turns)]
     generated = [tokenizer.encode(t, add_special_tokens=False) + end_of_turn(tokenizer) for t in texts]
@@ -155,6 +163,20 @@ def test_the_tiny_template_renders_role_markers_and_ends_prompts_with_the_observ
     assert chat.assistant_suffix == tiny_tokenizer.encode("\n", add_special_tokens=False)  # the actors' stop
     assert chat.next_turn(tiny_tokenizer.encode("a\n", add_special_tokens=False), "Say b") == \
         tiny_tokenizer.encode("U: Say b", add_special_tokens=False)
+
+
+def test_the_turns_template_marks_each_turn_and_prompts_the_answer(tiny_tokenizer):
+    """`omrl init-model --template turns` (the TextCraft demo's): an observation that ends like
+    an action ("Could not execute get") is still followed by the answer's own marker."""
+    tokenizer = turns_tokenizer(tiny_tokenizer)
+    messages = [{"role": "user", "content": "Goal: a"}, {"role": "assistant", "content": "get"},
+                {"role": "user", "content": "Could not execute get"}]
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    assert tokenizer.decode(ids) == "U: Goal: a\nA: get\nU: Could not execute get\nA: "
+    chat = ChatFormat(tokenizer)
+    assert chat.assistant_suffix == tokenizer.encode("\n", add_special_tokens=False)  # where the model stops
+    assert chat.next_turn(tokenizer.encode("get\n", add_special_tokens=False), "Could not execute get") == \
+        tokenizer.encode("U: Could not execute get\nA: ", add_special_tokens=False)
 
 
 @pytest.mark.parametrize("which", ["tiny", "chatml"])
