@@ -228,9 +228,4 @@ class VLLMEngine:
         await self.llm.resume_generation()
 
     def shutdown(self) -> None:
-        # Drops the engine's last reference, so that AsyncLLM.__del__ (a second shutdown) runs on
-        # return, while the interpreter is whole: at its exit it raises ("'NoneType' object is
-        # not callable"). A second call does nothing.
-        llm, self.llm = self.llm, None
-        if llm is not None:
-            llm.shutdown()
+        self.llm.shutdown()
