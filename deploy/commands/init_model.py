@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from common.models import CHAT_TEMPLATES
+
 
 def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("dir")
@@ -21,7 +23,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--env", help="the env whose text the word tokenizer learns (played by its oracle and random policy)")
     p.add_argument("--tasks", help="task files directory: the word tokenizer reads episodes of its train split")
     p.add_argument("--env-episodes", type=int, default=400, help="episodes of --env's text to learn the words from")
-    p.add_argument("--template", choices=("plain", "turns"), default="plain",
+    p.add_argument("--template", choices=tuple(CHAT_TEMPLATES), default="plain",
                    help="the chat template: plain: \"U: \" and the observation, then the answer and a line break; "
                         "turns: each turn marked and on its own line, \"U: \" the observation, \"A: \" the answer, "
                         "the generation prompt \"A: \"")
