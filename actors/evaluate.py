@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import math
-import random
+from array import array
 from collections.abc import Awaitable, Callable, Sequence
 
 from actors.engine import Engine, Generation
@@ -45,25 +46,33 @@ class ServerPolicy:
     random action unless the env has a typical mistake) takes their place, outside the loss mask
     (Turn.trained): the episodes then show the oracle recovering from mistakes, the states a
     model that learned from clean episodes alone never saw (DAgger's point, without a model in
-    the loop). The oracle plans from the state it finds, so it recovers."""
+    the loop). The oracle plans from the state it finds, so it recovers. Whether a turn is a
+    mistake depends on `seed` and the episode's tokens so far alone (and the server draws an
+    episode's mistakes from its task's own seed), so the same seed collects the same episodes
+    whatever order concurrent episodes take their turns in."""
 
     def __init__(self, setup: EpisodeSetup, kind: str, noise: float = 0.0, seed: int = 0):
         if kind not in ("oracle", "random"):
             raise ValueError(f"unknown server policy {kind!r}: oracle or random")
         if not 0 <= noise < 1:
             raise ValueError(f"noise must be in [0, 1), got {noise}")
-        self.setup, self.kind, self.noise = setup, kind, noise
-        self.rng = random.Random(seed)
+        self.setup, self.kind, self.noise, self.seed = setup, kind, noise, seed
 
     async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None) -> Turn:
         env = self.setup.env
-        noisy = self.kind == "oracle" and self.rng.random() < self.noise
+        noisy = self.kind == "oracle" and self.noise > 0 and self._draw(tokens) < self.noise
         if noisy:
             action = await env.mistake_action(env_id)
         else:
             action = await (env.random_action(env_id) if self.kind == "random" else env.oracle_action(env_id))
         ids = self.setup.format.agent_turn(action)
         return Turn(Generation(ids, [0.0] * len(ids), "stop"), -1, action=action, trained=not noisy)
+
+    def _draw(self, tokens: list[int]) -> float:
+        """A uniform draw in [0, 1) fixed by the seed and the episode's tokens so far."""
+        digest = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=8,
+                                 key=self.seed.to_bytes(8, "little", signed=True)).digest()
+        return int.from_bytes(digest, "little") / 2 ** 64
 
 
 @dataclasses.dataclass

@@ -75,6 +75,7 @@ class _Instance:
         self.lock = asyncio.Lock()  # one call at a time per instance
         self.last_used = time.monotonic()
         self.playing = False  # an episode under way: reset, and no step has ended it
+        self.rng = random.Random(0)  # the random and mistake actions' draws, seeded anew at each reset
 
 
 class EnvServer:
@@ -93,7 +94,7 @@ class EnvServer:
         self._ids = itertools.count(secrets.randbelow(2 ** 40) * workers + worker, workers)
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="env")
         self.stats = {"created": 0, "closed": 0, "reaped": 0, "failed": 0, "steps": 0}
-        self._rng = random.Random(seed)
+        self.seed = seed
 
     @property
     def envs(self) -> dict[int, Env]:
@@ -216,6 +217,9 @@ class EnvServer:
     async def reset(self, request: web.Request) -> web.Response:
         body = await self._body(request)
         env_id, task_idx = self._int(body, "id"), self._int(body, "data_idx")
+        # An episode's random and mistake actions depend on the seed and its task alone, not on
+        # the order in which concurrent episodes draw: `omrl collect --noise` is reproducible.
+        self._instance(env_id).rng = random.Random(f"{self.seed}:{task_idx}")
         observation, fields = await self._call(env_id, "reset", lambda env: (env.reset(task_idx), env.reset_fields()),
                                                playing=lambda _: True)
         return web.json_response({"id": env_id, "observation": observation, "reward": 0.0, "done": False, **fields})
@@ -245,15 +249,15 @@ class EnvServer:
         return web.json_response({"action": action})
 
     async def random(self, request: web.Request) -> web.Response:
-        rng = self._rng
-        action = await self._call(self._query_id(request), "random", lambda env: env.random_action(rng),
-                                  in_episode=True)
+        env_id = self._query_id(request)
+        rng = self._instance(env_id).rng
+        action = await self._call(env_id, "random", lambda env: env.random_action(rng), in_episode=True)
         return web.json_response({"action": action})
 
     async def mistake(self, request: web.Request) -> web.Response:
-        rng = self._rng
-        action = await self._call(self._query_id(request), "mistake", lambda env: env.mistake_action(rng),
-                                  in_episode=True)
+        env_id = self._query_id(request)
+        rng = self._instance(env_id).rng
+        action = await self._call(env_id, "mistake", lambda env: env.mistake_action(rng), in_episode=True)
         return web.json_response({"action": action})
 
     async def close(self, request: web.Request) -> web.Response:

@@ -17,8 +17,9 @@ import pytest
 from actors.chat import make_format
 from actors.engine import Generation
 from actors.episode import EpisodeSetup, Turn, run_episode
+from actors.evaluate import ServerPolicy
 from actors.templates import make_template
-from actors.trajectories import read_episodes, tokenize
+from actors.trajectories import collect, read_episodes, tokenize
 from common.config import ActorConfig
 from envs.client import EnvClient
 from envs.specs import spec_for
@@ -109,6 +110,32 @@ def test_import_trajectories_writes_a_file_sft_reads(tmp_path):
                            str(tmp_path / "x.parquet")], capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and done.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "record 0" in done.stderr and not (tmp_path / "x.parquet").exists()
+
+
+async def noisy_collect(url: str, tokenizer, actor: ActorConfig, seed: int, concurrency: int) -> list[dict]:
+    async with aiohttp.ClientSession() as session:
+        setup = EpisodeSetup(EnvClient(url, session, 60, spec_for("letters")), tokenizer, actor, make_template("raw"),
+                             "letters")
+        return await collect(setup, ServerPolicy(setup, "oracle", 0.5, seed), "oracle", range(24), concurrency)
+
+
+def test_a_noisy_collect_is_the_same_whatever_order_its_episodes_take_turns_in(tmp_path):
+    """The same seed gives the same episodes, played one at a time or 24 at once (their draws
+    from one shared generator would come in another order), and another seed other ones."""
+    from transformers import AutoTokenizer
+
+    from common.config import load_config
+
+    model = omrl("init-model", str(tmp_path / "model")).stdout.strip().splitlines()[-1]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    actor = load_config(None, ["actor.chat_template=\"none\""]).actor
+    with env_server_process("letters") as url:
+        one_by_one, at_once, other = [asyncio.run(noisy_collect(url, tokenizer, actor, seed, concurrency))
+                                      for seed, concurrency in ((3, 1), (3, 24), (4, 24))]
+    conversations = [[r["conversations"] for r in rows] for rows in (one_by_one, at_once, other)]
+    assert any(not turn["loss"] for c in conversations[0] for turn in c if turn["from"] == "gpt")
+    assert conversations[0] == conversations[1]
+    assert conversations[0] != conversations[2]
 
 
 def test_a_noisy_oracle_leaves_its_random_turns_out_of_the_loss(tmp_path):
