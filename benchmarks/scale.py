@@ -76,7 +76,7 @@ class SimEngine:
     async def load_weights(self, path: str) -> None:
         pass
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
         pass
 
 

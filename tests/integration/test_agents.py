@@ -55,7 +55,7 @@ class LetterEngine:
     async def load_weights(self, path: str) -> None:
         pass
 
-    def shutdown(self) -> None:
+    async def shutdown(self) -> None:
         pass
 
 
