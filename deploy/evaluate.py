@@ -72,6 +72,7 @@ def main(args: argparse.Namespace) -> int:
 async def _evaluate_all(cfg: Config, args: argparse.Namespace):
     import aiohttp
 
+    from actors.agents import load_agent, serve_agents
     from actors.episode import EpisodeSetup
     from actors.evaluate import PinnedModelPolicy, ServerPolicy, evaluate
     from actors.templates import make_template
@@ -80,6 +81,10 @@ async def _evaluate_all(cfg: Config, args: argparse.Namespace):
     from envs.specs import spec_of
     from envs.tasks import task_data, task_split
 
+    try:  # your agent (actor.agent, agent_url) plays the model's episodes, as the evaluator of a run has it
+        agent = load_agent(cfg.actor) if args.policy == "model" else None
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     engine = _engine(cfg) if args.policy == "model" else None
     tokenizer = engine.tokenizer if engine else tokenizer_of(cfg)
     results = []
@@ -96,9 +101,21 @@ async def _evaluate_all(cfg: Config, args: argparse.Namespace):
                                          task_data(env_cfg))
                     policy = (PinnedModelPolicy(engine, version=0, temperature=args.temperature) if engine
                               else ServerPolicy(setup, args.policy))
-                    log.info("evaluating %s on %d held-out tasks of %s", args.policy, len(tasks), name)
-                    with Progress(len(tasks), "episodes", f"{args.policy} on {name}") as bar:
-                        results.append(await evaluate(setup, policy, tasks, args.policy, progress=bar.update))
+                    gateway, play = None, None
+                    if agent is not None:
+                        served = cfg.model_copy(update={"env": env_cfg.model_copy(update={"url": url})})
+                        gateway, rollouts = await serve_agents(served, engine, policy, agent, task_data(env_cfg),
+                                                               evaluator=True)
+                        play = lambda task, rollouts=rollouts: rollouts.run(task, 0)  # noqa: E731
+                    log.info("evaluating %s on %d held-out tasks of %s%s", args.policy, len(tasks), name,
+                             f" (the agent {cfg.actor.agent_name})" if agent else "")
+                    try:
+                        with Progress(len(tasks), "episodes", f"{args.policy} on {name}") as bar:
+                            results.append(await evaluate(setup, policy, tasks, args.policy, progress=bar.update,
+                                                          play=play))
+                    finally:
+                        if gateway is not None:
+                            await gateway.cleanup()
                     await client.close_kept()
     finally:
         if engine is not None:

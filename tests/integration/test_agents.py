@@ -42,11 +42,12 @@ class LetterEngine:
     completion it sampled. The request's stop strings end the tokens (the agent sends "\\n")."""
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.sampled, self.temperatures = tokenizer, [], set()
+        self.tokenizer, self.sampled, self.temperatures, self.stops = tokenizer, [], set(), set()
 
     async def generate(self, prompt_ids, max_tokens, temperature=None, turn_start=None, sent=None,
                        stops=None) -> Generation:
         self.temperatures.add(temperature)
+        self.stops.add(None if stops is None else tuple(stops))  # the agent's requests bring theirs
         await asyncio.sleep(3600 if self.tokenizer.decode(prompt_ids[-1:]) == "z" else 0.002)  # "z": a hung engine
         ids = (prompt_ids[-1:] + self.tokenizer.encode("\n", add_special_tokens=False))[:max_tokens]
         self.sampled.append(ids)
@@ -257,3 +258,26 @@ def test_the_evaluator_plays_the_held_out_tasks_with_the_agent_greedily_on_the_v
         assert record["episodes"] == 6
         assert record["reward"] == pytest.approx(sum(letters_reward(t) for t in held_out) / 6)
     assert engine.temperatures == {0.0} and evaluator.rollouts.counts["calls"] == 2 * 6 * 2
+
+
+def test_omrl_eval_plays_the_held_out_tasks_with_the_agent(monkeypatch, tiny_model, tmp_path):
+    """`omrl eval --policy model` with actor.agent: the agent plays every held-out task through
+    an endpoint of the engine's, greedily (not the episode loop, whose requests bring no stop
+    strings of their own); a name that does not load is one line naming the field."""
+    import argparse
+
+    import deploy.evaluate
+
+    engine = LetterEngine(AutoTokenizer.from_pretrained(tiny_model))
+    monkeypatch.setattr(deploy.evaluate, "_engine", lambda cfg: engine)
+    args = argparse.Namespace(env=["letters"], tasks=None, episodes=6, env_url=None, policy="model", temperature=0.0)
+    cfg = load_config(None, [f'model.path="{tiny_model}"', "env.name=letters",
+                             f'actor.agent="{AGENT}/agent.py:rollout_tiny"'], environ={})
+    [result] = asyncio.run(deploy.evaluate._evaluate_all(cfg, args))
+    _train, test = task_split(cfg.env)
+    held_out = list(test)[:6]
+    assert result.episodes == 6 and result.reward == pytest.approx(sum(letters_reward(t) for t in held_out) / 6)
+    assert engine.temperatures == {0.0} and engine.stops == {("\n",)} and len(engine.sampled) == 2 * 6
+    bad = cfg.model_copy(update={"actor": cfg.actor.model_copy(update={"agent": f"{AGENT}/agent.py:nowhere"})})
+    with pytest.raises(SystemExit, match="actor.agent = .*cannot be loaded"):
+        asyncio.run(deploy.evaluate._evaluate_all(bad, args))
