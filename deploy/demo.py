@@ -416,7 +416,7 @@ class Demo:
             "recipe": self.env, "before": before, "after": after, "before_sampled": sampled[0],
             "after_sampled": sampled[1], "seeds_gains": gains, "times_s": self.times, "rl_strata": self.rl_strata},
             indent=2))
-        plot_demo(self, before, after)
+        plot_demo(self, before, after, gains)
         return text
 
 
@@ -503,8 +503,10 @@ def evaluate_strata(out: Path, model: Path, env: str, dirs: list[Path], samples:
     return asyncio.run(play())
 
 
-def plot_demo(demo: Demo, before: dict, after: dict) -> Path:
-    """OUT/demo.png: the SFT held-out curve, the RL training curve, and success before and after."""
+def plot_demo(demo: Demo, before: dict, after: dict, gains: dict | None = None) -> Path:
+    """OUT/demo.png: the SFT held-out curve, the RL training curve of each seed, success before
+    and after (seed 0), and with several seeds each stratum's change per seed with the mean's
+    95% t-interval (`gains`: the report's, seed_gains' sampled where there are, else greedy)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -514,16 +516,23 @@ def plot_demo(demo: Demo, before: dict, after: dict) -> Path:
     from deploy.plots import _rolling_mean, errorbar_ci
 
     out, keys = demo.out, list(demo.strata)
-    fig, (sft_ax, rl_ax, bar_ax) = plt.subplots(1, 3, figsize=(15, 3.8))
+    fig, axes = plt.subplots(1, 4 if gains else 3, figsize=(20 if gains else 15, 3.8))
+    sft_ax, rl_ax, bar_ax = axes[:3]
     sft = [r for r in read_jsonl(out / "sft" / "sft_metrics.jsonl") if "eval/success" in r]
     errorbar_ci(sft_ax, [r["epoch"] for r in sft], [r["eval/success"] for r in sft],
               [r["eval/success_ci"] for r in sft], "o-")
     sft_ax.set(title=f"SFT: held-out success, every {demo.recipe.stratum} (greedy)", xlabel="epoch")
-    rl = read_jsonl(out / "rl" / "metrics.jsonl")
-    steps, success = [r["step"] for r in rl], [r.get("reward/success", float("nan")) for r in rl]
-    rl_ax.plot(steps, success, alpha=0.3, label="per step")
-    rl_ax.plot(steps, _rolling_mean(success, 10), label="mean of 10")
-    rl_ax.set(title="RL: training success (sampled, T=1)", xlabel="learner step")
+    for seed in range(demo.args.seeds):
+        path = out / seed_names(seed)[0] / "metrics.jsonl"
+        if not path.exists():
+            continue
+        rl = read_jsonl(path)
+        steps, success = [r["step"] for r in rl], [r.get("reward/success", float("nan")) for r in rl]
+        if demo.args.seeds == 1:
+            rl_ax.plot(steps, success, alpha=0.3, label="per step")
+        rl_ax.plot(steps, _rolling_mean(success, 10), label="mean of 10" if demo.args.seeds == 1 else f"seed {seed}")
+    rl_ax.set(title="RL: training success (sampled, T=1)" + (", mean of 10" if demo.args.seeds > 1 else ""),
+              xlabel="learner step")
     rl_ax.legend(fontsize=8)
     x = range(len(keys))
     for shift, (label, results) in ((-0.2, ("after SFT", before)), (0.2, ("after SFT + RL", after))):
@@ -534,7 +543,19 @@ def plot_demo(demo: Demo, before: dict, after: dict) -> Path:
     bar_ax.set_xticks(list(x), [demo.label(key) for key in keys], fontsize=8)
     bar_ax.set(title=f"held-out success per {demo.recipe.stratum}, greedy (95% CI)", ylim=(0, 1))
     bar_ax.legend(fontsize=8, loc="lower right")
-    for ax in (sft_ax, rl_ax, bar_ax):
+    if gains:
+        kind = "sampled" if "sampled" in gains else "greedy"
+        gains = gains[kind]
+        gain_ax, labels = axes[3], list(gains)
+        for i, key in enumerate(labels):
+            gain_ax.plot([i] * len(gains[key]["changes"]), gains[key]["changes"], "o", color="tab:gray", alpha=0.6)
+        errorbar_ci(gain_ax, range(len(labels)), [gains[k]["mean"] for k in labels], [gains[k]["ci"] for k in labels],
+                    "s", color="tab:red", label="mean, 95% t-interval")
+        gain_ax.axhline(0, color="black", lw=0.8)
+        gain_ax.set_xticks(range(len(labels)), [demo.label(k) if k != "all" else "all" for k in labels], fontsize=8)
+        gain_ax.set(title=f"RL's change in points, {kind}, {demo.args.seeds} seeds (grey: each)")
+        gain_ax.legend(fontsize=8)
+    for ax in axes:
         ax.grid(alpha=0.3)
     fig.tight_layout()
     path = out / "demo.png"

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import types
 
 import pytest
@@ -151,6 +152,19 @@ def test_several_seeds_report_each_strata_change_with_a_t_interval(tmp_path):
     assert table[2] == "| 1 GoToRedBallGrey | -2.0, +0.0, -4.0 | -2.0 [-7.0, +3.0] |"
     assert table[3].startswith("| 4 GoToObjS6 (RL) | +20.0, +30.0, +10.0 | +20.0 [")
     assert demo_mod.seed_names(0) == ("rl", "after") and demo_mod.seed_names(2) == ("rl-seed2", "after-seed2")
+    # The plot: every seed's RL curve, and a fourth panel of the changes per seed (20 inches at 100 dpi).
+    import matplotlib.image
+
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft" / "sft_metrics.jsonl").write_text(json.dumps(
+        {"epoch": 1, "eval/success": 0.5, "eval/success_ci": [0.4, 0.6]}) + "\n")
+    for seed in range(3):
+        (tmp_path / demo_mod.seed_names(seed)[0]).mkdir()
+        (tmp_path / demo_mod.seed_names(seed)[0] / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": step, "reward/success": 0.1 * seed}) + "\n" for step in range(1, 4)))
+    for seeds_gains, width in (({"greedy": gains}, 2000), ({}, 1500)):
+        path = demo_mod.plot_demo(demo, before, afters[0], seeds_gains)
+        assert matplotlib.image.imread(path).shape[1] == width
     with pytest.raises(SystemExit, match="--seeds takes 1 or more"):
         demo_mod.make_demo(args_of("babyai", "--out", str(tmp_path), "--seeds", "0"))
 
