@@ -209,6 +209,10 @@ def split(recipe: Recipe, args: argparse.Namespace) -> tuple[dict[str, tuple[lis
         raise SystemExit(f"error: --rl-goals takes 0-{most} (SFT keeps a train goal of every RL depth), "
                          f"got {args.rl_goals}")
     rl_quotas = shares(args.rl_goals, train_goals) if args.rl_goals else {}
+    for depth, quota in rl_quotas.items():  # a depth's share rounded up to all of its train goals
+        if quota >= train_goals[depth]:
+            raise SystemExit(f"error: --rl-goals {args.rl_goals} gives depth {depth} all {train_goals[depth]} of its "
+                             f"train goals (a share of each RL depth) and SFT none: give fewer")
     rng, strata, rl_train = random.Random(args.split_seed), {}, {}
     tasks = lambda goals: [goal + GOALS * variant for variant in range(args.variants) for goal in sorted(goals)]  # noqa: E731
     for depth, goals in sorted(by_depth.items()):

@@ -77,6 +77,9 @@ def test_textcraft_rl_goals_are_train_goals_sft_never_sees(tmp_path):
     assert not goals(sft_tasks) & rl and goals(rl_tasks) == rl
     with pytest.raises(SystemExit, match="--rl-goals takes 0-91"):
         demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "c"), "--rl-depths", "1", "--rl-goals", "92"))
+    # Depths 1 and 4 (92 and 8 train goals): 98 of them would take all 8 of depth 4's.
+    with pytest.raises(SystemExit, match="gives depth 4 all 8 of its train goals"):
+        demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "d"), "--rl-depths", "1,4", "--rl-goals", "98"))
 
 
 def test_each_recipe_refuses_the_others_flags(tmp_path):
