@@ -39,6 +39,7 @@ import logging
 import random
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from common.config import to_toml
@@ -63,35 +64,95 @@ class Recipe:
     """An env's settings of the demo. `actor`: what every stage shares (AgentGym's raw action
     text after the observation, turns capped as AgentGym's client must cap them: its servers
     never end an episode on turns); `model`: `omrl init-model`'s shape and template; `defaults`: the
-    command line's, where it leaves them out; `own`: the flags only this recipe takes."""
+    command line's, where it leaves them out; `own`: the flags only this recipe takes; `split`:
+    {stratum: (train task ids, test task ids)} and {stratum the RL stage trains on: its task ids}
+    from the command line; `label`: a stratum's name in the report."""
     env: str
     stratum: str  # what a stratum is called: "level", "depth"
+    task: str  # what a held-out task is: "task", "task (goal)"
     actor: dict
     model: tuple[str, ...]
     defaults: dict
     own: tuple[str, ...]
+    split: Callable[[argparse.Namespace], tuple[dict[str, tuple[list[int], list[int]]], dict[str, list[int]]]]
+    label: Callable[[str], str]
+
+
+def babyai_split(args: argparse.Namespace) -> tuple[dict[str, tuple[list[int], list[int]]],
+                                                  dict[str, list[int]]]:
+    """{level: (train task ids, test task ids)}, and {level the RL stage trains on: its task ids}."""
+    levels, rl_levels = _numbers(args.levels, "--levels", 1, 40), _numbers(args.rl_levels, "--rl-levels", 1, 40)
+    if not set(rl_levels) <= set(levels):
+        raise SystemExit(f"error: --rl-levels {rl_levels} must be among --levels {levels}")
+    test = range(TEST_SEEDS, TEST_SEEDS + args.eval_episodes)
+    strata = {str(level): (task_ids([level], range(args.train_seeds)), task_ids([level], test)) for level in levels}
+    return strata, {str(level): strata[str(level)][0] for level in rl_levels}
+
+
+def babyai_label(key: str) -> str:
+    from envs.babyai import LEVELS
+
+    return f"{key} {LEVELS[int(key) - 1]}"
+
+
+def textcraft_split(args: argparse.Namespace) -> tuple[dict[str, tuple[list[int], list[int]]],
+                                                     dict[str, list[int]]]:
+    """{depth: (train task ids, test task ids)}, and {depth the RL stage trains on: its task ids}:
+    the depth's train tasks, or with --rl-goals goals of their own that SFT never sees."""
+    from envs.textcraft import GOALS, goal_depths
+
+    if not 1 <= args.test_goals < GOALS:
+        raise SystemExit(f"error: --test-goals takes 1-{GOALS - 1}, got {args.test_goals}")
+    if args.variants < 1:
+        raise SystemExit(f"error: --variants takes 1 or more, got {args.variants}")
+    by_depth: dict[int, list[int]] = {}
+    for goal, depth in enumerate(goal_depths()):
+        by_depth.setdefault(depth, []).append(goal)
+    quotas = shares(args.test_goals, {depth: len(goals) for depth, goals in by_depth.items()})
+    rl_depths = _numbers(args.rl_depths, "--rl-depths", 1, max(by_depth))
+    train_goals = {depth: len(goals) - quotas[depth] for depth, goals in by_depth.items() if depth in rl_depths}
+    most = sum(train_goals.values()) - len(train_goals)  # SFT keeps a train goal of every RL depth
+    if not 0 <= args.rl_goals <= most:
+        raise SystemExit(f"error: --rl-goals takes 0-{most} (SFT keeps a train goal of every RL depth), "
+                         f"got {args.rl_goals}")
+    rl_quotas = shares(args.rl_goals, train_goals) if args.rl_goals else {}
+    for depth, quota in rl_quotas.items():  # a depth's share rounded up to all of its train goals
+        if quota >= train_goals[depth]:
+            raise SystemExit(f"error: --rl-goals {args.rl_goals} gives depth {depth} all {train_goals[depth]} of its "
+                             f"train goals (a share of each RL depth) and SFT none: give fewer")
+    rng, strata, rl_train = random.Random(args.split_seed), {}, {}
+    tasks = lambda goals: [goal + GOALS * variant for variant in range(args.variants) for goal in sorted(goals)]  # noqa: E731
+    for depth, goals in sorted(by_depth.items()):
+        goals = rng.sample(goals, len(goals))
+        held, kept = goals[:quotas[depth]], goals[quotas[depth]:]
+        rl_only = kept[:rl_quotas.get(depth, 0)]  # drawn after the held-out ones: --rl-goals leaves them as they were
+        strata[str(depth)] = (tasks(kept[len(rl_only):]), sorted(held))
+        if depth in rl_depths:
+            rl_train[str(depth)] = tasks(rl_only) if rl_only else strata[str(depth)][0]
+    return strata, rl_train
 
 
 MODEL = ("--hidden", "128", "--layers", "3", "--heads", "2", "--intermediate", "384")  # 0.76M parameters
-BABYAI = Recipe("babyai", "level", {"max_turns": 10, "max_tokens": 16, "max_seq_len": 2048, "action_template": "raw"},
-                MODEL,
+BABYAI = Recipe("babyai", "level", "task",
+                {"max_turns": 10, "max_tokens": 16, "max_seq_len": 2048, "action_template": "raw"}, MODEL,
                 {"levels": "1,4,5", "rl_levels": "1,5", "train_seeds": 4000, "episodes": 4000, "eval_episodes": 1000,
                  "eval_samples": 0, "collect_noise": 0.0, "sft_epochs": 2.0, "sft_eval_start": True, "sft_lr": 1e-3,
                  "sft_batch_size": 32, "sft_eval_episodes": 200, "rl_steps": 60},
-                ("levels", "rl_levels", "train_seeds", "eval_episodes"))
+                ("levels", "rl_levels", "train_seeds", "eval_episodes"), babyai_split, babyai_label)
 # TextCraft: the oracle takes 2 turns at depth 1 on average, 5 at 2, 11 at 3 (48 at most), 19 at 4,
 # and more than 30 on 2 goals of 544 (so 30 turns: a failing episode played to the cap costs most);
 # a first observation is 132 words on average, 695 at most; an action 22 words at most. The CPU's
 # default KV cache (64 MB, about 21,000 tokens of this model) made vLLM preempt 64 such episodes
 # over and over: 512 MB (docs/results/textcraft-demo.md).
-TEXTCRAFT = Recipe("textcraft", "depth", {"max_turns": 30, "max_tokens": 40, "max_seq_len": 4096,
-                                          "action_template": "raw", "kv_cache_mb": 512},
+TEXTCRAFT = Recipe("textcraft", "depth", "task (goal)",
+                   {"max_turns": 30, "max_tokens": 40, "max_seq_len": 4096, "action_template": "raw", "kv_cache_mb": 512},
                    (*MODEL, "--template", "turns"),  # its refusals repeat the action: each turn marked
                    {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "collect_noise": 0.2,
                     "sft_epochs": 4.0, "sft_eval_start": False, "sft_lr": 1e-3, "sft_batch_size": 16,
                     "sft_eval_episodes": 48, "rl_steps": 60, "variants": 10, "rl_depths": "1,2,3,4",
                     "rl_goals": 0},
-                   ("test_goals", "split_seed", "variants", "rl_depths", "rl_goals"))
+                   ("test_goals", "split_seed", "variants", "rl_depths", "rl_goals"), textcraft_split,
+                   lambda key: f"depth {key}")
 RECIPES = {r.env: r for r in (BABYAI, TEXTCRAFT)}
 STAGES = ("tasks", "model", "collect", "sft", "before")  # then "rl" and "after" for each seed
 
@@ -170,7 +231,7 @@ def make_demo(args: argparse.Namespace) -> Demo:
     args.out = args.out or f"runs/demo-{recipe.env}"
     if args.seeds < 1:
         raise SystemExit(f"error: --seeds takes 1 or more, got {args.seeds}")
-    strata, rl_train = split(recipe, args)
+    strata, rl_train = recipe.split(args)
     out = Path(args.out)
     if args.fresh and out.exists():
         import shutil
@@ -178,51 +239,6 @@ def make_demo(args: argparse.Namespace) -> Demo:
         shutil.rmtree(out)
     (out / "logs").mkdir(parents=True, exist_ok=True)
     return Demo(out, args, recipe, strata, rl_train)
-
-
-def split(recipe: Recipe, args: argparse.Namespace) -> tuple[dict[str, tuple[list[int], list[int]]],
-                                                             dict[str, list[int]]]:
-    """{stratum: (train task ids, test task ids)}, and {stratum the RL stage trains on: its task
-    ids}: the stratum's train tasks, or with TextCraft's --rl-goals goals of their own that SFT
-    never sees."""
-    if recipe is BABYAI:
-        levels, rl_levels = _numbers(args.levels, "--levels", 1, 40), _numbers(args.rl_levels, "--rl-levels", 1, 40)
-        if not set(rl_levels) <= set(levels):
-            raise SystemExit(f"error: --rl-levels {rl_levels} must be among --levels {levels}")
-        test = range(TEST_SEEDS, TEST_SEEDS + args.eval_episodes)
-        strata = {str(level): (task_ids([level], range(args.train_seeds)), task_ids([level], test)) for level in levels}
-        return strata, {str(level): strata[str(level)][0] for level in rl_levels}
-    from envs.textcraft import GOALS, goal_depths
-
-    if not 1 <= args.test_goals < GOALS:
-        raise SystemExit(f"error: --test-goals takes 1-{GOALS - 1}, got {args.test_goals}")
-    if args.variants < 1:
-        raise SystemExit(f"error: --variants takes 1 or more, got {args.variants}")
-    by_depth: dict[int, list[int]] = {}
-    for goal, depth in enumerate(goal_depths()):
-        by_depth.setdefault(depth, []).append(goal)
-    quotas = shares(args.test_goals, {depth: len(goals) for depth, goals in by_depth.items()})
-    rl_depths = _numbers(args.rl_depths, "--rl-depths", 1, max(by_depth))
-    train_goals = {depth: len(goals) - quotas[depth] for depth, goals in by_depth.items() if depth in rl_depths}
-    most = sum(train_goals.values()) - len(train_goals)  # SFT keeps a train goal of every RL depth
-    if not 0 <= args.rl_goals <= most:
-        raise SystemExit(f"error: --rl-goals takes 0-{most} (SFT keeps a train goal of every RL depth), "
-                         f"got {args.rl_goals}")
-    rl_quotas = shares(args.rl_goals, train_goals) if args.rl_goals else {}
-    for depth, quota in rl_quotas.items():  # a depth's share rounded up to all of its train goals
-        if quota >= train_goals[depth]:
-            raise SystemExit(f"error: --rl-goals {args.rl_goals} gives depth {depth} all {train_goals[depth]} of its "
-                             f"train goals (a share of each RL depth) and SFT none: give fewer")
-    rng, strata, rl_train = random.Random(args.split_seed), {}, {}
-    tasks = lambda goals: [goal + GOALS * variant for variant in range(args.variants) for goal in sorted(goals)]  # noqa: E731
-    for depth, goals in sorted(by_depth.items()):
-        goals = rng.sample(goals, len(goals))
-        held, kept = goals[:quotas[depth]], goals[quotas[depth]:]
-        rl_only = kept[:rl_quotas.get(depth, 0)]  # drawn after the held-out ones: --rl-goals leaves them as they were
-        strata[str(depth)] = (tasks(kept[len(rl_only):]), sorted(held))
-        if depth in rl_depths:
-            rl_train[str(depth)] = tasks(rl_only) if rl_only else strata[str(depth)][0]
-    return strata, rl_train
 
 
 def shares(total: int, sizes: dict[int, int]) -> dict[int, int]:
@@ -326,11 +342,7 @@ class Demo:
         return self.out / "tasks" / f"{self.recipe.stratum}-{key}"
 
     def label(self, key: str) -> str:
-        if self.recipe is BABYAI:
-            from envs.babyai import LEVELS
-
-            return f"{key} {LEVELS[int(key) - 1]}"
-        return f"depth {key}"
+        return self.recipe.label(key)
 
     def row_label(self, key: str) -> str:
         """A report row's name: the stratum's, marked where RL trained on it, or "all"."""
@@ -394,7 +406,7 @@ class Demo:
 
         before, after = read("before"), read("after")
         head = [f"| {self.recipe.stratum} | episodes | after SFT | after SFT + RL | change |", "|---|---|---|---|---|"]
-        lines = [f"Greedy, one episode a held-out task{'' if self.recipe is BABYAI else ' (goal)'}:", "", *head]
+        lines = [f"Greedy, one episode a held-out {self.recipe.task}:", "", *head]
         lines += table_rows(self, before, after)
         sampled = (read("before-sampled"), read("after-sampled"))
         if all(sampled):
