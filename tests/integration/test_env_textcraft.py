@@ -87,3 +87,15 @@ def test_the_oracles_mistakes_are_a_models_and_it_recovers_from_them():
             done = result.done
         assert result.info["success"], task
     assert min(kinds.values()) >= 10 and refused >= 10, (kinds, refused)
+
+
+def test_a_craft_with_a_wrong_count_is_refused_without_the_wheels_print(capfd):
+    """The wheel prints "Wrong Item Count for: ..." on such a craft (thousands of lines in a
+    demo's log); the env's answer is what says it."""
+    from envs.base import make_env
+
+    env = make_env("textcraft")
+    env.reset(0)  # acacia planks: craft 4 acacia planks using 1 acacia logs
+    assert env.step("get 2 acacia logs").observation == "Got 2 acacia logs"
+    assert env.step("craft 4 acacia planks using 2 acacia logs").observation.startswith("Could not find a valid recipe")
+    assert "Wrong Item Count" not in capfd.readouterr().out
