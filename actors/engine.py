@@ -43,7 +43,7 @@ class Engine(Protocol):
 
     async def load_weights(self, path: str) -> None: ...
 
-    async def shutdown(self) -> None: ...
+    def shutdown(self) -> None: ...
 
 
 def share_cpus() -> None:
@@ -227,13 +227,5 @@ class VLLMEngine:
         self._kept = False
         await self.llm.resume_generation()
 
-    async def shutdown(self) -> None:
-        """Stops vLLM and drops it while the loop runs: its output handler takes its cancellation
-        now (dropped with that task pending, asyncio logs "Task was destroyed but it is pending"),
-        and AsyncLLM's finaliser runs here, not at interpreter exit, where vLLM's module globals
-        are gone and it fails ("Exception ignored in AsyncLLM.__del__")."""
-        llm, self.llm = self.llm, None
-        llm.shutdown()
-        handler = getattr(llm, "output_handler", None)
-        if handler is not None:
-            await asyncio.wait([handler])  # not `await handler`: that would raise its CancelledError
+    def shutdown(self) -> None:
+        self.llm.shutdown()

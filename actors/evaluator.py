@@ -136,7 +136,7 @@ class Evaluator:
             with contextlib.suppress(*REDIS_TRANSIENT):
                 await members.leave(self.name)
             await client.aclose()
-            await self.engine.shutdown()
+            self.engine.shutdown()
             shutil.rmtree(weights_dir, ignore_errors=True)
         log.info("stopped after %d evaluations", self.evaluations)
 

@@ -181,7 +181,7 @@ class Actor:
             beats.cancel()
             await asyncio.to_thread(self.link.close)  # leaves the learner's weight group, if a member
             await client.aclose()
-            await self.engine.shutdown()
+            self.engine.shutdown()
             shutil.rmtree(self.weights_dir, ignore_errors=True)
         log.info("stopped after %d groups (%d failed: %s)", self.groups, sum(self.failed.values()),
                  dict(self.failed) or "none")

@@ -368,7 +368,8 @@ def _measure_all(tmp: str, stack: contextlib.ExitStack, points_cfg: dict, loops:
         return VLLMEngine(model, base, path, seed=base.seed)
 
     async def stop(engine) -> None:
-        await engine.shutdown()
+        engine.shutdown()
+        await asyncio.sleep(0)  # its output handler takes its cancellation
 
     _import_vllm()
     engine = loop.run_until_complete(start())

@@ -76,7 +76,7 @@ class SimEngine:
     async def load_weights(self, path: str) -> None:
         pass
 
-    async def shutdown(self) -> None:
+    def shutdown(self) -> None:
         pass
 
 

@@ -302,7 +302,7 @@ async def _receiver(args: argparse.Namespace) -> None:
         link.close()
         for client in (control, reports, raw, weights):
             await client.aclose()
-        await engine.shutdown()
+        engine.shutdown()
         shutil.rmtree(staging, ignore_errors=True)
 
 
@@ -400,7 +400,7 @@ def _update_modes(args: argparse.Namespace) -> None:
                 print(f"update modes, context {context}: tokens/s " +
                       ", ".join(f"{m} {v:.0f}" for m, v in tokens_per_s.items()), flush=True)
         finally:
-            runner.run(engine.shutdown())
+            engine.shutdown()
     Path(args.result).write_text(json.dumps(out))
 
 

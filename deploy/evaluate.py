@@ -119,7 +119,7 @@ async def _evaluate_all(cfg: Config, args: argparse.Namespace):
                     await client.close_kept()
     finally:
         if engine is not None:
-            await engine.shutdown()
+            engine.shutdown()
     return results
 
 
@@ -161,7 +161,7 @@ class ModelPlayer:
         self._stack = contextlib.AsyncExitStack()
         await self._stack.__aenter__()
         self.engine = _engine(cfg)
-        self._stack.push_async_callback(self._shutdown)
+        self._stack.callback(self._shutdown)
         session = await self._stack.enter_async_context(
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)))
         url = await self._stack.enter_async_context(env_server(self.env_name, cfg, None))
@@ -173,9 +173,9 @@ class ModelPlayer:
     async def __aexit__(self, *exc) -> None:
         await self._stack.__aexit__(*exc)
 
-    async def _shutdown(self) -> None:
-        await self.engine.shutdown()
-        self.engine = None
+    def _shutdown(self) -> None:
+        self.engine.shutdown()
+        self.engine = None  # dropped now: vLLM's finaliser fails if it first runs at interpreter exit
 
     async def load(self, state: dict) -> None:
         """Weights named as in Hugging Face (a state dict of the causal LM), loaded in place."""

@@ -165,8 +165,6 @@ def test_default_run_learns_and_actors_apply_new_weights(default_run):
                           capture_output=True, text=True, timeout=300)
     print(done.stdout[-1000:])
     assert done.returncode == 0, done.stderr[-3000:]
-    # vLLM stopped and dropped while the loop ran: no finaliser failing at interpreter exit.
-    assert "Exception ignored" not in done.stderr and "Task was destroyed" not in done.stderr, done.stderr[-3000:]
     [result] = json.loads((tmp_path / "eval.json").read_text())
     assert result["episodes"] == 64 and result["reward"] > evals[0]["eval/reward"] + 0.2, result
 

@@ -62,7 +62,7 @@ class ScriptedEngine:
     async def load_weights(self, path: str) -> None:
         self.loaded.append(path)
 
-    async def shutdown(self) -> None:
+    def shutdown(self) -> None:
         pass
 
 

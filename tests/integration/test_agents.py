@@ -56,7 +56,7 @@ class LetterEngine:
     async def load_weights(self, path: str) -> None:
         pass
 
-    async def shutdown(self) -> None:
+    def shutdown(self) -> None:
         pass
 
 

@@ -46,7 +46,7 @@ def sampled(sharp_model):
             gens = await asyncio.gather(*[engine.generate(p, cfg.actor.max_tokens, TEMPERATURE) for p in prompts])
             return prompts, gens
         finally:
-            await engine.shutdown()
+            engine.shutdown()
 
     return asyncio.run(run())
 

@@ -41,7 +41,7 @@ def engine(cfg, loop):
 
     eng = loop.run_until_complete(start())
     yield eng
-    loop.run_until_complete(eng.shutdown())
+    eng.shutdown()
 
 
 def hf_logprobs(model, tokens):

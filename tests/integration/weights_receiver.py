@@ -77,7 +77,7 @@ async def main(url: str, run: str, out: str, model: str | None) -> None:
     if not os.environ.get("STAGING_DIR"):
         shutil.rmtree(staging, ignore_errors=True)
     if model:
-        await engine.shutdown()
+        engine.shutdown()
 
 
 if __name__ == "__main__":
