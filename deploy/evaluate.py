@@ -104,7 +104,7 @@ async def _evaluate_all(cfg: Config, args: argparse.Namespace):
                     gateway, play = None, None
                     if agent is not None:
                         served = cfg.model_copy(update={"env": env_cfg.model_copy(update={"url": url})})
-                        gateway, rollouts = await serve_agents(served, engine, policy, agent, task_data(env_cfg),
+                        gateway, rollouts = await serve_agents(served, engine, policy, agent, setup.task_data,
                                                                evaluator=True)
                         play = lambda task, rollouts=rollouts: rollouts.run(task, 0)  # noqa: E731
                     log.info("evaluating %s on %d held-out tasks of %s%s", args.policy, len(tasks), name,
