@@ -346,6 +346,18 @@ class LearnerConfig(Section):
     kept in the compute's precision (bf16 under learner.precision = "bf16"), sharded under fsdp2."""
     kl_estimator: Literal["k1", "k3"] = "k3"
     """The per-token KL estimator: k1 (log ratio) or k3 (exp(-k1) - 1 + k1, never negative)."""
+    sft_coef: float = Field(0.0, ge=0)
+    """Weight of a supervised term beside the RL loss (InstructGPT's PPO-ptx, OpenRLHF's ptx_coef): the
+    mean negative log-likelihood per trained token of learner.sft_episodes episodes of learner.sft_data,
+    drawn afresh for every optimizer update, so the policy keeps what its fine-tuning data teaches
+    while RL moves it. 0: off, no data read."""
+    sft_data: list[str] = Field(default_factory=list)
+    """Trajectory files (parquet) for learner.sft_coef, as `omrl collect` and `omrl import-trajectories`
+    write them: their `tokens` and `loss_mask` columns, which must be for the policy's tokenizer (that
+    is, `--model` the policy or a model with its tokenizer). Read once at the learner's start."""
+    sft_episodes: int = Field(16, ge=1)
+    """learner.sft_coef: episodes of learner.sft_data per optimizer update, shared among the learner's
+    ranks and cut into micro-batches as the RL samples are (learner.max_tokens_per_microbatch)."""
     token_sum_norm: int | None = Field(None, ge=1)
     """drgrpo: each sample's token sum is divided by this constant (Dr.GRPO), not by the token count
     (unset: actor.max_tokens x actor.max_turns, the longest an episode can generate)."""
@@ -440,7 +452,7 @@ class LearnerConfig(Section):
     2 x checkpoint_every steps of groups are unacknowledged. false: written from the training's
     own tensors, no copy, while the loop waits."""
     seed: int = 0
-    """Seed for torch."""
+    """Seed for torch, and of the supervised term's draws (learner.sft_coef)."""
 
     @property
     def steps_ahead(self) -> int:
@@ -599,6 +611,9 @@ class Config(Section):
             raise ValueError(f"learner.refused_reward = {lcfg.refused_reward:g} is a turn reward of gigpo's step "
                              f"returns, not of {lcfg.algorithm}: set learner.algorithm = \"gigpo\" or "
                              f"learner.refused_reward = 0")
+        if lcfg.sft_coef > 0 and not lcfg.sft_data:
+            raise ValueError(f"learner.sft_coef = {lcfg.sft_coef:g} needs episodes to train on: set learner.sft_data "
+                             f"to trajectory files (`omrl collect`), or learner.sft_coef = 0")
         if lcfg.mode == "async" and lcfg.eta < lcfg.publish_every - 1:
             raise ValueError(f"learner.eta ({lcfg.eta}) must be at least learner.publish_every - 1 "
                              f"({lcfg.publish_every - 1}): eta counts optimizer steps, and weights published every "

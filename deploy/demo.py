@@ -192,6 +192,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="the SFT curve's point before training (babyai yes; textcraft no: an untrained model plays "
                         "all 30 turns of every goal)")
     p.add_argument("--rl-steps", type=int, help="learner steps of the RL stage (60)")
+    p.add_argument("--rl-sft", type=float, default=0.0, metavar="COEF",
+                   help="the RL stage's supervised term on the oracle's episodes SFT trained on (OUT/oracle.parquet) "
+                        "beside its loss, at this weight (learner.sft_coef; default 0: off)")
     p.add_argument("--seeds", type=int, default=1, help="RL stages from the same SFT model, each with its seed and "
                                                         "its evaluation after (default 1)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -391,8 +394,11 @@ class Demo:
     def rl(self, name: str = "rl", overrides: list[str] = ()) -> None:
         """The RL stage from the SFT model: run dir OUT/NAME, its model exported to OUT/NAME-model
         (`overrides` after the command line's --set: the staleness study's arms)."""
+        learner = {**LEARNER, "steps": self.args.rl_steps}
+        if self.args.rl_sft:
+            learner.update(sft_coef=self.args.rl_sft, sft_data=[str((self.out / "oracle.parquet").resolve())])
         config = {"env": {"name": self.env, "tasks": str(self.out / "tasks" / "rl")},
-                  "actor": {**self.recipe.actor, **RL_ACTOR}, "learner": {**LEARNER, "steps": self.args.rl_steps}}
+                  "actor": {**self.recipe.actor, **RL_ACTOR}, "learner": learner}
         (self.out / "rl.toml").write_text(to_toml(config))
         self.omrl(name, "run", "--config", str(self.out / "rl.toml"), "--model", str(self.out / "sft"), "--run-dir",
                   str(self.out / name), overrides=[*self.args.overrides, *overrides])

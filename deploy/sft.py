@@ -120,7 +120,7 @@ async def fine_tune(cfg: Config, data: list[str], out: Path) -> Path:
     model = load_causal_lm(cfg.model.path)
     if cfg.learner.ranks > 1:
         log.warning("omrl sft trains in one process: learner.ranks=%d is not used", cfg.learner.ranks)
-    trainer = SFTTrainer(model, cfg.learner, sft, total, pad_id=model.config.pad_token_id or 0)
+    trainer = SFTTrainer(model, cfg.learner, sft, total)
     log.info("training on %s (%s, gradient checkpointing %s)", trainer.device, cfg.learner.precision,
              "on" if cfg.learner.gradient_checkpointing else "off")
     out.mkdir(parents=True, exist_ok=True)

@@ -168,3 +168,20 @@ def plain_logprobs(lm: torch.nn.Module, tokens: torch.Tensor, rows: torch.Tensor
     logp = torch.log_softmax(logits, -1)
     return logp.gather(1, tokens[rows[:, 0], rows[:, 1]][:, None]).squeeze(1), -(logp.exp() * logp).sum(-1)
 
+
+
+def padded_examples(examples: list[tuple[list[int], list[int]]], device: torch.device
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Episodes' (tokens, loss_mask) padded together, for PolicyScorer: tokens, attention mask
+    and the rows (sample, position) of their trained tokens (never position 0, which nothing
+    predicts). What SFT and the learner's SFT term (learner.sft_coef) score."""
+    T = max(len(t) for t, _m in examples)
+    tokens = torch.zeros((len(examples), T), dtype=torch.long)
+    attention = torch.zeros((len(examples), T), dtype=torch.long)
+    trained = torch.zeros((len(examples), T), dtype=torch.bool)
+    for i, (t, m) in enumerate(examples):
+        tokens[i, :len(t)] = torch.as_tensor(t)
+        attention[i, :len(t)] = 1
+        trained[i, :len(m)] = torch.as_tensor(m, dtype=torch.bool)
+    trained[:, 0] = False
+    return tokens.to(device), attention.to(device), trained.nonzero().to(device)

@@ -21,18 +21,44 @@ import torch
 from common.config import LearnerConfig, SFTConfig
 from learner.batch import microbatches
 from learner.distributed import resolve_device
-from learner.scoring import PolicyScorer
+from learner.scoring import PolicyScorer, padded_examples
 from learner.trainer import autocast, place
 
 Example = tuple[Sequence[int], Sequence[int]]  # (tokens, loss_mask) of one episode
+
+
+def read_examples(paths: Sequence[str], vocab_size: int, field: str = "learner.sft_data") -> list[Example]:
+    """(tokens, loss_mask) of every episode of the trajectory files `paths` (parquet, as `omrl collect`
+    writes them), checked against the policy's vocabulary: a ValueError names `field` and the fix."""
+    import pyarrow.parquet as pq
+
+    examples: list[Example] = []
+    for path in paths:
+        try:
+            table = pq.read_table(path, columns=["tokens", "loss_mask"])
+        except (OSError, KeyError, ValueError) as exc:  # missing, not parquet, no such columns
+            raise ValueError(f"{field}: {path} is not a trajectory file with tokens and loss masks ({exc}): write "
+                             f"one with `omrl collect --model MODEL` for the policy's tokenizer") from None
+        for n, (tokens, mask) in enumerate(zip(table["tokens"].to_pylist(), table["loss_mask"].to_pylist())):
+            if not tokens or mask is None or len(mask) != len(tokens):
+                raise ValueError(f"{field}: {path}, record {n} has no tokens and loss mask of one length: write the "
+                                 f"file with `omrl collect` or `omrl import-trajectories`")
+            if max(tokens) >= vocab_size or min(tokens) < 0:
+                raise ValueError(f"{field}: {path}, record {n} has token id {max(tokens)} beyond the policy's "
+                                 f"vocabulary ({vocab_size}): the file was tokenised for another model; write it "
+                                 f"again with `omrl collect --model` the policy")
+            if any(mask[1:]):
+                examples.append((tokens, mask))
+    if not examples:
+        raise ValueError(f"{field}: no episode with a trained token in {', '.join(paths)}")
+    return examples
 
 
 class SFTTrainer:
     """`learner` says where and how to compute (device, precision, gradient checkpointing,
     vocab_chunk, weight_decay, grad_clip); `sft` what to train (lr, warm-up, micro-batch size)."""
 
-    def __init__(self, model: torch.nn.Module, learner: LearnerConfig, sft: SFTConfig, total_steps: int,
-                 pad_id: int = 0):
+    def __init__(self, model: torch.nn.Module, learner: LearnerConfig, sft: SFTConfig, total_steps: int):
         self.device = resolve_device(learner.device, 0)
         self.precision = learner.precision
         self.scorer = PolicyScorer(place(model, learner, self.device), learner.vocab_chunk).to(self.device)
@@ -41,7 +67,7 @@ class SFTTrainer:
         warmup = sft.warmup
         self.schedule = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lambda s: min(
             (s + 1) / max(1, warmup), 0.1 + 0.45 * (1 + math.cos(math.pi * min(1.0, s / max(1, total_steps))))))
-        self.grad_clip, self.max_tokens, self.pad_id = learner.grad_clip, sft.max_tokens_per_microbatch, pad_id
+        self.grad_clip, self.max_tokens = learner.grad_clip, sft.max_tokens_per_microbatch
 
     def step(self, examples: Sequence[Example]) -> dict[str, float]:
         """One optimizer step on `examples`; the mean NLL per trained token and the step's figures."""
@@ -76,19 +102,9 @@ class SFTTrainer:
 
     def _nll(self, examples: Sequence[Example]) -> torch.Tensor:
         """The summed negative log-likelihood of the trained tokens of `examples`, padded together."""
-        T = max(len(t) for t, _m in examples)
-        tokens = torch.full((len(examples), T), self.pad_id, dtype=torch.long)
-        attention = torch.zeros((len(examples), T), dtype=torch.long)
-        trained = torch.zeros((len(examples), T), dtype=torch.bool)
-        for i, (t, m) in enumerate(examples):
-            tokens[i, :len(t)] = torch.as_tensor(t)
-            attention[i, :len(t)] = 1
-            trained[i, :len(m)] = torch.as_tensor(m, dtype=torch.bool)
-        trained[:, 0] = False  # the first token has nothing to be predicted from
-        rows = trained.nonzero().to(self.device)  # (M, 2)
+        tokens, attention, rows = padded_examples(list(examples), self.device)
         with autocast(self.device, self.precision):
-            logp, _entropy, _values = self.scorer(tokens.to(self.device), attention.to(self.device), rows,
-                                                  torch.ones(len(rows), device=self.device))  # (M,)
+            logp, _entropy, _values = self.scorer(tokens, attention, rows, torch.ones(len(rows), device=self.device))
         return -logp.float().sum()
 
     def state_dict(self) -> dict[str, torch.Tensor]:

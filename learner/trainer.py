@@ -17,10 +17,11 @@ from __future__ import annotations
 import collections
 import copy
 import logging
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common.config import LearnerConfig
@@ -40,16 +41,17 @@ from learner.algorithms import (
     value_loss,
     vtrace,
 )
-from learner.batch import Batch, MicroBatch, plan, whole_passes
+from learner.batch import Batch, MicroBatch, microbatches, plan, whole_passes
 from learner.checkpoint import load_shards, save_shards
 from learner.distributed import Single, resolve_device
-from learner.scoring import PolicyScorer
+from learner.scoring import PolicyScorer, padded_examples
 
 log = logging.getLogger(__name__)
 
 PREFIX = "lm."  # the scorer's name for the causal LM inside it
+# Summed over micro-batches, updates and ranks.
 STATS = ("tokens", "kept", "w", "w2", "kl", "truncated", "rejected", "clipped", "ratio", "loss", "entropy",
-         "generated", "value_loss", "kl_ref", "refused_n", "refused_p", "refused_ul")  # summed over micro-batches, updates and ranks
+         "generated", "value_loss", "kl_ref", "refused_n", "refused_p", "refused_ul", "sft_nll", "sft_tokens")
 
 
 def place(model: torch.nn.Module, cfg: LearnerConfig, device: torch.device) -> torch.nn.Module:
@@ -74,11 +76,16 @@ REFERENCE_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}  # the KL reference is
 class Trainer:
     """`reference`: the frozen starting policy for the KL penalty (learner.kl_coef > 0), as the
     parallel layer loaded it (`parallel.load_model(path, REFERENCE_DTYPE[precision], trainable=False)`:
-    sharded under FSDP2); unset, a copy of `model` in that dtype."""
+    sharded under FSDP2); unset, a copy of `model` in that dtype. `sft_examples`: the episodes
+    (tokens, loss_mask) of the supervised term (learner.sft_coef; `learner.sft.read_examples`)."""
 
     def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, parallel: Single | None = None,
-                 reference: torch.nn.Module | None = None):
+                 reference: torch.nn.Module | None = None,
+                 sft_examples: Sequence[tuple[Sequence[int], Sequence[int]]] = ()):
         self.cfg = cfg
+        self.sft_examples = list(sft_examples) if cfg.sft_coef > 0 else []
+        if cfg.sft_coef > 0 and not self.sft_examples:
+            raise ValueError("learner.sft_coef > 0 needs the episodes of learner.sft_data: pass sft_examples")
         self.parallel = parallel or Single(resolve_device(cfg.device, 0))
         self.device = self.parallel.device
         self.model = place(model, cfg, self.device)
@@ -114,7 +121,7 @@ class Trainer:
     def train_step(self, batch: Batch) -> dict[str, float]:
         cfg, rank = self.cfg, self.parallel.rank
         unlikely = cfg.refused_unlikelihood > 0 and bool(batch.refused.any())
-        if batch.num_trained_tokens == 0 and cfg.entropy_coef == 0 and not unlikely:
+        if batch.num_trained_tokens == 0 and cfg.entropy_coef == 0 and not unlikely and not self.sft_examples:
             return {"learner/skipped": 1.0}
         self.scorer.train()
         steps = plan(batch, cfg.minibatches, self.parallel.world, cfg.max_tokens_per_microbatch)
@@ -146,6 +153,8 @@ class Trainer:
             metrics["learner/vtrace_frac"] = vtrace_share
         if self.reference is not None:
             metrics["learner/kl_ref"] = summed["kl_ref"] / updates
+        if self.sft_examples:  # the supervised term's NLL per trained token, over every update's episodes
+            metrics["learner/loss/sft"] = summed["sft_nll"] / max(summed["sft_tokens"], 1.0)
         if summed["refused_n"]:  # the policy's probability of the actions the env refused, as it trained on them
             metrics["learner/refused_prob"] = summed["refused_p"] / summed["refused_n"]
             if cfg.refused_unlikelihood:
@@ -225,12 +234,18 @@ class Trainer:
         n_gen = batch.generated_mask[every].sum().clamp(min=1.0).item()
         # DDP and FSDP2 average gradients over ranks; the loss is a sum over the whole minibatch.
         scale = float(self.parallel.world)
-        micros = minibatch[self.parallel.rank]
+        # This rank's micro-batches, then the supervised term's (learner.sft_coef); gradients sync at the last.
+        passes: list = [(False, idx) for idx in minibatch[self.parallel.rank]]
+        n_sft = 0.0
+        if self.sft_examples:
+            parts, n_sft = self._sft_parts()
+            passes += [(True, part) for part in parts]
         stats: dict[str, torch.Tensor] = {}
-        for j, idx in enumerate(micros):
-            with self.parallel.no_grad_sync(self.scorer, skip=j < len(micros) - 1):
+        for j, (supervised, idx) in enumerate(passes):
+            with self.parallel.no_grad_sync(self.scorer, skip=j < len(passes) - 1):
                 with self.timer("forward"):
-                    loss, mb_stats = self._micro_loss(batch, idx, n_train, n_policy, n_gen)
+                    loss, mb_stats = self._sft_loss(idx, n_sft) if supervised else \
+                        self._micro_loss(batch, idx, n_train, n_policy, n_gen)
                 with self.timer("backward"):
                     (loss * scale).backward()
             stats = add_stats(stats, mb_stats)
@@ -255,16 +270,19 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         return stats, float(grad_norm)
 
+    def _updates_done(self) -> int:
+        """AdamW's own count of its updates, which a checkpoint keeps: a resumed run goes on from it."""
+        first = self.optimizer.param_groups[0]["params"][0]
+        return int(self.optimizer.state.get(first, {}).get("step", 0))
+
     def _warm_up(self) -> None:
         """learner.lr_warmup_steps: the learning rate rises linearly to learner.lr over that many
-        steps' updates. Counted by AdamW's own update count, which a checkpoint keeps, so a
-        resumed run goes on where it was. A fresh AdamW's first updates move every weight by
+        steps' updates, counted by `_updates_done`. A fresh AdamW's first updates move every weight by
         about lr, whatever its gradient's size (its moments hold one gradient: m / sqrt(v) = +-1)."""
         warmup = self.cfg.lr_warmup_steps * self.cfg.ppo_epochs * self.cfg.minibatches
         if warmup == 0:
             return
-        first = self.optimizer.param_groups[0]["params"][0]
-        done = int(self.optimizer.state.get(first, {}).get("step", 0))
+        done = self._updates_done()
         for group, lr in zip(self.optimizer.param_groups, self.base_lrs):
             group["lr"] = lr * min(1.0, (done + 1) / warmup)
 
@@ -305,6 +323,39 @@ class Trainer:
             loss = loss + cfg.kl_coef * kl
             stats["kl_ref"] = kl.detach()
         return loss, {k: v.detach().float().cpu() for k, v in stats.items()}
+
+    def _sft_parts(self) -> tuple[list[list[tuple[Sequence[int], Sequence[int]]]], float]:
+        """This update's learner.sft_episodes episodes of learner.sft_data, drawn from the seed and
+        the update's count (every rank draws the same ones; a resumed run draws what it would
+        have): this rank's share of them cut into micro-batches, as many as the rank with the most
+        (an empty one is an idle pass), and the trained tokens of all of them."""
+        cfg, world = self.cfg, self.parallel.world
+        rng = np.random.default_rng([cfg.seed, self._updates_done()])
+        drawn = [self.sft_examples[i] for i in
+                 rng.choice(len(self.sft_examples), min(cfg.sft_episodes, len(self.sft_examples)), replace=False)]
+        parts = []
+        for rank in range(world):
+            share = drawn[rank::world]
+            lengths = np.array([len(t) for t, _m in share])
+            parts.append([[share[i] for i in idx] for idx in
+                          microbatches(list(range(len(share))), lengths, cfg.max_tokens_per_microbatch)])
+        mine = parts[self.parallel.rank]
+        mine += [[] for _ in range(max(map(len, parts)) - len(mine))]
+        return mine, float(sum(sum(m[1:]) for _t, m in drawn))
+
+    def _sft_loss(self, examples: list, n_sft: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """learner.sft_coef times the summed NLL of the trained tokens of `examples` over the update's
+        `n_sft` trained tokens of the supervised term."""
+        if not examples:
+            return self._idle_loss(), {}
+        tokens, attention, rows = padded_examples(examples, self.device)
+        with self._autocast():
+            logp, _, values = self.scorer(tokens, attention, rows, torch.ones(len(rows), device=self.device))
+        nll = -logp.float().sum()
+        loss = self.cfg.sft_coef * nll / max(n_sft, 1.0)
+        if values is not None:  # the value head in the graph: the gradients' sync expects every parameter
+            loss = loss + values.sum() * 0.0
+        return loss, {"sft_nll": nll.detach().cpu(), "sft_tokens": torch.tensor(float(len(rows)))}
 
     def _idle_loss(self, scorer: torch.nn.Module | None = None) -> torch.Tensor:
         tokens = torch.zeros((1, 2), dtype=torch.long, device=self.device)

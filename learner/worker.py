@@ -45,6 +45,7 @@ from learner.checkpoint import LearnerState, RecentIds, begin, finish, latest_ch
 from learner.distributed import Single, setup
 from learner.host_memory import return_freed_memory
 from learner.samples import SampleKeeper, as_text
+from learner.sft import read_examples
 from learner.trainer import REFERENCE_DTYPE, Trainer
 
 log = logging.getLogger(__name__)
@@ -239,7 +240,16 @@ class Learner:
         path = self.cfg.model.path
         reference = self.parallel.load_model(path, REFERENCE_DTYPE[lcfg.precision], trainable=False) \
             if lcfg.kl_coef > 0 else None
-        self.trainer = Trainer(self.parallel.load_model(path), lcfg, self.parallel, reference)
+        model = self.parallel.load_model(path)
+        sft = []
+        if lcfg.sft_coef > 0:
+            try:
+                sft = read_examples(lcfg.sft_data, model.config.vocab_size)
+            except ValueError as exc:
+                raise SystemExit(f"error: {exc}") from None
+            log.info("supervised term (learner.sft_coef = %g): %d episodes of %s", lcfg.sft_coef, len(sft),
+                     ", ".join(lcfg.sft_data))
+        self.trainer = Trainer(model, lcfg, self.parallel, reference, sft)
         try:
             return self._lead() if self.parallel.is_main else self._follow()
         finally:

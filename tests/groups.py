@@ -38,6 +38,17 @@ def varied_group(rng: np.random.Generator, size: int = 4) -> RolloutGroup:
                         samples=samples)
 
 
+def sft_examples(rng: np.random.Generator, n: int = 12) -> list[tuple[list[int], list[int]]]:
+    """Episodes (tokens, loss_mask) of 12 to 60 tokens, each a prompt then two trained answers
+    around an observation, for the learner's supervised term (learner.sft_coef)."""
+    out = []
+    for _ in range(n):
+        prompt, answer, obs = (int(rng.integers(4, 13)), int(rng.integers(2, 13)), int(rng.integers(2, 11)))
+        mask = [0] * prompt + [1] * answer + [0] * obs + [1] * answer
+        out.append((rng.integers(0, 80, len(mask)).tolist(), mask))
+    return out
+
+
 def multi_turn_sample(rng: np.random.Generator, turn_rewards: list[float], states: list[str], reward: float | None = None,
                       version: int = 0, gen: int = 3, context: int = 4) -> Sample:
     """A prompt, then per turn `gen` generated tokens and `context` observation tokens (none

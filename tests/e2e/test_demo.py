@@ -92,7 +92,8 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
     # starts an engine of its own).
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "demo", "textcraft", "--out", str(out), "--test-goals",
                            "4", "--variants", "2", "--episodes", "120", "--eval-samples", "3", "--sft-epochs", "2", "--sft-eval-episodes",
-                           "4", "--rl-steps", "2", "--set", "learner.groups_per_step=2", "--set", "actor.group_size=4",
+                           "4", "--rl-steps", "2", "--rl-sft", "0.5", "--set", "learner.groups_per_step=2", "--set",
+                           "actor.group_size=4",
                            "--set", "actor.max_turns=12"],
                           capture_output=True, text=True, timeout=patience(300))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -115,4 +116,6 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
     curve = [r for r in read_jsonl(out / "sft" / "sft_metrics.jsonl") if "sft/heldout_loss" in r]
     assert curve[-1]["sft/heldout_loss"] < curve[0]["sft/heldout_loss"], curve
     rl_books_balance(out / "rl", 2, groups=2)
+    # --rl-sft: the learner read the oracle's episodes SFT trained on and scored them beside RL's loss.
+    assert all(0 < r["learner/loss/sft"] < curve[0]["sft/heldout_loss"] for r in read_jsonl(out / "rl" / "metrics.jsonl"))
     assert (out / "rl-model" / "config.json").is_file() and (out / "demo.png").is_file()

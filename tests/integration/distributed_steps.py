@@ -17,7 +17,7 @@ from learner.batch import collate
 from learner.checkpoint import LearnerState, finish, read_model
 from learner.distributed import setup
 from learner.trainer import PREFIX, REFERENCE_DTYPE, Trainer
-from tests.groups import varied_group
+from tests.groups import sft_examples, varied_group
 
 LEARNER = dict(max_tokens_per_microbatch=96, lr=3e-3, ppo_epochs=2, minibatches=2, entropy_coef=0.01)
 
@@ -38,15 +38,18 @@ def main() -> None:
     p.add_argument("--kl", type=float, default=0.0, help="learner.kl_coef: a frozen reference, loaded as the worker does")
     p.add_argument("--precision", default="fp32")
     p.add_argument("--one-update", action="store_true", help="1 epoch x 1 minibatch: no proximal pass")
+    p.add_argument("--sft", type=float, default=0.0, help="learner.sft_coef, on 5 episodes an update of 12 fixed ones")
     args = p.parse_args()
     # One update on micro-batches of a sample or two: ranks run unequal numbers of them (idle passes).
     learner = {**LEARNER, **(dict(ppo_epochs=1, minibatches=1, max_tokens_per_microbatch=60)
                              if args.one_update else {})}
-    cfg = LearnerConfig(parallel=args.parallel, device="cpu", kl_coef=args.kl, precision=args.precision, **learner)
+    cfg = LearnerConfig(parallel=args.parallel, device="cpu", kl_coef=args.kl, precision=args.precision,
+                        sft_coef=args.sft, sft_data=["fixed"], sft_episodes=5, **learner)
     parallel = setup(cfg.parallel, cfg.device, cfg.precision, cfg.vocab_parallel)
     torch.manual_seed(0)
     reference = parallel.load_model(args.model, REFERENCE_DTYPE[cfg.precision], trainable=False) if args.kl else None
-    trainer = Trainer(parallel.load_model(args.model), cfg, parallel, reference)  # FSDP2: built sharded
+    sft = sft_examples(np.random.default_rng(5), 12)
+    trainer = Trainer(parallel.load_model(args.model), cfg, parallel, reference, sft)  # FSDP2: built sharded
     if reference is not None:
         kinds = {(type(p).__name__, str(p.dtype), p.requires_grad) for p in trainer.reference.parameters()}
         print(f"rank {parallel.rank} reference parameters {sorted(kinds)}", flush=True)
@@ -61,7 +64,8 @@ def main() -> None:
         metrics = trainer.train_step(all_batches[step - 1])
         if parallel.is_main:
             print(f"step {step} microbatches {metrics['learner/microbatches']:.0f} clipped "
-                  f"{metrics['learner/frac_clipped']:.3f} loss {metrics['learner/loss/policy']:.5f}", flush=True)
+                  f"{metrics['learner/frac_clipped']:.3f} loss {metrics['learner/loss/policy']:.5f}"
+                  + (f" sft {metrics['learner/loss/sft']:.5f}" if args.sft else ""), flush=True)
     # Every rank creates the directory (a rank may reach the save before rank 0 does), empty on a fresh --out.
     path = Path(args.out) / f"step-{args.last:08d}.tmp"
     path.mkdir(parents=True, exist_ok=True)

@@ -79,6 +79,25 @@ def test_ddp_and_fsdp2_match_one_rank_and_resume_across_rank_counts(tiny_model, 
     assert max_diff(one_6, back) < TOLERANCE
 
 
+def test_the_supervised_term_matches_one_rank_and_a_resumed_run_draws_its_episodes_again(tiny_model, tmp_path):
+    """learner.sft_coef on 2 ranks: each update's 5 episodes are split 3 and 2, into unequal counts of
+    96-token micro-batches (idle passes), their NLL over all 5's trained tokens. DDP for 2 steps, then
+    FSDP2 from its checkpoint for 2 more, ends where one rank's 4 steps do, with the same NLL printed
+    at every step: the draws follow the updates' count, which the checkpoint keeps."""
+    sft = ("--sft", "1.0")
+    one = run_steps(tiny_model, tmp_path / "one", last=4, extra=sft)
+    ddp = run_steps(tiny_model, tmp_path / "ddp", last=2, ranks=2, extra=sft)
+    fsdp = run_steps(tiny_model, tmp_path / "fsdp", first=3, last=4, ranks=2, parallel="fsdp2",
+                     resume=latest_checkpoint(tmp_path / "ddp"), extra=sft)
+    nll = lambda out: {line.split()[1]: float(line.split()[-1]) for line in out.splitlines()  # noqa: E731
+                       if line.startswith("step ") and " sft " in line}
+    ones, twos = nll(one), {**nll(ddp), **nll(fsdp)}
+    assert sorted(ones) == sorted(twos) == ["1", "2", "3", "4"] and ones["4"] < ones["1"], (ones, twos)
+    assert all(abs(ones[k] - twos[k]) < 1e-4 for k in ones), (ones, twos)
+    assert max_diff(read_model(latest_checkpoint(tmp_path / "one")),
+                    read_model(latest_checkpoint(tmp_path / "fsdp"))) < TOLERANCE
+
+
 def test_fsdp2_loads_sharded_and_keeps_a_sharded_bf16_reference(tiny_model, tmp_path):
     """Issue 25, defect 2: under FSDP2 every rank builds the model on the meta device and reads only
     its rows of each decoder layer (the trained model matched one rank above, so the rows are the

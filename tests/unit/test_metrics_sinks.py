@@ -258,7 +258,8 @@ def test_omrl_plot_draws_a_run_at_any_time(tmp_path):
     assert missing.returncode == 2 and "metrics.jsonl does not exist" in missing.stderr
 
 
-@pytest.mark.parametrize("learner", [{}, {"algorithm": "ppo"}, {"kl_coef": 0.1, "minibatches": 2}])
+@pytest.mark.parametrize("learner", [{}, {"algorithm": "ppo"}, {"kl_coef": 0.1, "minibatches": 2},
+                                     {"sft_coef": 0.5, "sft_data": ["episodes.parquet"]}])
 def test_every_metric_of_a_training_step_is_in_the_glossary(tiny_model, learner):
     from tests.metrics_doc import undocumented
     from tests.unit.test_trainer import first_step, varied_groups

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from common.config import LearnerConfig
+from common.config import LearnerConfig, SFTConfig
 from common.models import load_causal_lm
 from learner.batch import collate
 from tests.groups import synthetic_group
@@ -44,9 +44,12 @@ def test_non_finite_loss_skips_the_step(tiny_model, poison):
 def first_step(model_dir: str, groups, **learner) -> tuple[dict[str, torch.Tensor], dict[str, float]]:
     """The gradients the first optimizer step applies (read by a spy on AdamW.step) and the metrics."""
     from learner.trainer import Trainer
+    from tests.groups import sft_examples
 
     torch.manual_seed(0)
-    trainer = Trainer(load_causal_lm(model_dir), LearnerConfig(**{"minibatches": 1, **learner}))  # one update unless asked
+    sft = sft_examples(np.random.default_rng(0), 8) if learner.get("sft_coef") else ()
+    trainer = Trainer(load_causal_lm(model_dir), LearnerConfig(**{"minibatches": 1, **learner}),  # one update unless asked
+                      sft_examples=sft)
     grads: dict[str, torch.Tensor] = {}
     step = trainer.optimizer.step
 
@@ -292,3 +295,51 @@ def test_the_learning_rate_warms_up_over_its_steps_and_a_resumed_run_goes_on_fro
     resumed_lrs.clear()  # the load's own step at lr 0, which makes AdamW's state to load into
     resumed.train_step(batch)
     assert resumed_lrs == pytest.approx([0.75e-2, 1e-2])
+
+
+def test_the_supervised_term_is_its_episodes_mean_nll_and_lowers_it(tiny_model, tmp_path):
+    """learner.sft_coef: beside the RL loss, the NLL per trained token of learner.sft_episodes episodes
+    of learner.sft_data. Its first value is what SFT's own evaluation gives the same episodes on the
+    same weights; over five steps it falls, where with a negligible weight RL alone leaves it. A
+    batch without signal (and no entropy bonus) still trains the term."""
+    from learner.sft import SFTTrainer
+    from learner.trainer import Trainer
+    from tests.groups import multi_turn_group, sft_examples, varied_group
+
+    rng = np.random.default_rng(11)
+    examples = sft_examples(rng, 10)
+    batches = [collate([varied_group(rng) for _ in range(2)]) for _ in range(5)]
+    cfg = LearnerConfig(sft_coef=1.0, sft_data=["unused"], sft_episodes=64, lr=3e-3, minibatches=1, entropy_coef=0.0)
+    expected = SFTTrainer(load_causal_lm(tiny_model), cfg, SFTConfig(), 1).evaluate(examples)
+    curves = {}
+    for coef in (1.0, 1e-6):
+        torch.manual_seed(0)
+        trainer = Trainer(load_causal_lm(tiny_model), cfg.model_copy(update={"sft_coef": coef}), sft_examples=examples)
+        curves[coef] = [trainer.train_step(batch)["learner/loss/sft"] for batch in batches]
+    assert curves[1.0][0] == pytest.approx(expected, rel=1e-5) and curves[1e-6][0] == pytest.approx(expected, rel=1e-5)
+    dropped, control = curves[1.0][0] - curves[1.0][-1], abs(curves[1e-6][0] - curves[1e-6][-1])
+    assert dropped > 0.1 and dropped > 5 * control, curves
+    flat = collate([multi_turn_group(rng, [([0.0], ["a"]), ([0.0], ["b"])])])
+    assert flat.num_trained_tokens == 0 and trainer.train_step(flat)["learner/loss/sft"] > 0
+
+
+def test_the_supervised_terms_files_are_checked_at_the_start(tiny_model, tmp_path):
+    """learner.sft_data must hold trajectory files whose tokens fit the policy's vocabulary; each
+    failure names the field and the fix. learner.sft_coef without files fails in the config."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from pydantic import ValidationError
+
+    from common.config import Config
+    from learner.sft import read_examples
+
+    good, wide = tmp_path / "good.parquet", tmp_path / "wide.parquet"
+    pq.write_table(pa.table({"tokens": [[1, 2, 3, 4]], "loss_mask": [[0, 0, 1, 1]]}), good)
+    pq.write_table(pa.table({"tokens": [[1, 2, 300]], "loss_mask": [[0, 1, 1]]}), wide)
+    assert read_examples([str(good)], 100) == [([1, 2, 3, 4], [0, 0, 1, 1])]
+    for path, words in ((wide, "beyond the policy's vocabulary (100)"), (tmp_path / "none.parquet", "omrl collect")):
+        with pytest.raises(ValueError, match="learner.sft_data") as failed:
+            read_examples([str(path)], 100)
+        assert words in str(failed.value)
+    with pytest.raises(ValidationError, match="learner.sft_data"):
+        Config.model_validate({"learner": {"sft_coef": 0.1}})
