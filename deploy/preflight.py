@@ -288,16 +288,34 @@ def check_metrics(cfg: Config, ctx: Context) -> str:
     return "metrics.jsonl" + "".join(f", {name}" for name in sinks)
 
 
+def check_sft_data(cfg: Config, ctx: Context) -> str:
+    """learner.sft_data's episodes, read as the learner will read them, their tokens against the
+    model's vocabulary where it is known."""
+    lcfg = cfg.learner
+    if lcfg.sft_coef == 0:
+        return "no supervised term (learner.sft_coef = 0)"
+    from learner.sft import read_examples
+
+    vocab = getattr(ctx.model_config, "vocab_size", None)
+    try:
+        examples = read_examples(lcfg.sft_data, vocab or sys.maxsize)
+    except ValueError as exc:
+        raise Failed(str(exc)) from None
+    unchecked = "" if vocab else " (their tokens not checked: the model's vocabulary is unknown here)"
+    return f"{len(examples)} episodes for the supervised term in {', '.join(lcfg.sft_data)}{unchecked}"
+
+
 CHECKS: dict[str, Callable[[Config, Context], str]] = {
     "config": lambda cfg, ctx: "loaded and valid",
     "names": check_names, "model": check_model, "lengths": check_lengths, "redis": check_redis,
     "env": check_env, "ports": check_ports, "run_dir": check_run_dir, "gpu": check_gpu, "metrics": check_metrics,
+    "sft_data": check_sft_data,
 }
-DEPENDS = {"lengths": "model"}
+DEPENDS = {"lengths": "model", "sft_data": "model"}
 ROLES = {
-    "run": ["names", "model", "lengths", "redis", "env", "ports", "run_dir", "gpu", "metrics"],
+    "run": ["names", "model", "lengths", "redis", "env", "ports", "run_dir", "gpu", "metrics", "sft_data"],
     "doctor": list(CHECKS),
-    "learner": ["model", "lengths", "redis", "ports", "run_dir", "gpu", "metrics"],
+    "learner": ["model", "lengths", "redis", "ports", "run_dir", "gpu", "metrics", "sft_data"],
     "actor": ["names", "model", "lengths", "redis", "env"],
     "env-server": ["names", "ports"],
 }

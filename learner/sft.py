@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -33,12 +34,15 @@ def read_examples(paths: Sequence[str], vocab_size: int, field: str = "learner.s
     import pyarrow.parquet as pq
 
     examples: list[Example] = []
+    fix = "write one with `omrl collect --model MODEL` for the policy's tokenizer"
     for path in paths:
+        if not Path(path).is_file():
+            raise ValueError(f"{field}: {path} does not exist: {fix}")
         try:
             table = pq.read_table(path, columns=["tokens", "loss_mask"])
-        except (OSError, KeyError, ValueError) as exc:  # missing, not parquet, no such columns
-            raise ValueError(f"{field}: {path} is not a trajectory file with tokens and loss masks ({exc}): write "
-                             f"one with `omrl collect --model MODEL` for the policy's tokenizer") from None
+        except (OSError, KeyError, ValueError) as exc:  # not parquet, no such columns
+            raise ValueError(f"{field}: {path} is not a trajectory file with tokens and loss masks "
+                             f"({' '.join(str(exc).split())}): {fix}") from None
         for n, (tokens, mask) in enumerate(zip(table["tokens"].to_pylist(), table["loss_mask"].to_pylist())):
             if not tokens or mask is None or len(mask) != len(tokens):
                 raise ValueError(f"{field}: {path}, record {n} has no tokens and loss mask of one length: write the "

@@ -84,6 +84,11 @@ MISTAKES = {
                                                    "learner.refused_reward=-0.1"], {},
                                                   ["learner.refused_reward = -0.1, but env 'letters'",
                                                    "learner.refused_reward = 0"]),
+    "a supervised term without episodes": (["run", "--set", "learner.sft_coef=0.1"], {},
+                                            ["learner.sft_coef = 0.1 needs episodes", "set learner.sft_data"]),
+    "a supervised term's file that is not there": (["run", "--set", "learner.sft_coef=0.1", "--set",
+                                                    'learner.sft_data=["nope.parquet"]'], {},
+                                                   ["learner.sft_data: nope.parquet does not exist", "omrl collect"]),
 }
 
 
@@ -131,7 +136,7 @@ def test_debug_adds_the_traceback(tmp_path):
 def test_doctor_passes_on_the_embedded_defaults(tmp_path):
     code, out = omrl(tmp_path, "doctor")
     assert code == 0, out
-    assert out.splitlines()[-1] == "10 of 10 checks passed", out
+    assert out.splitlines()[-1] == "11 of 11 checks passed", out
     code, out = omrl(tmp_path, "doctor", "--json")
     results = json.loads(out)
     assert code == 0 and {r["check"] for r in results} >= {"model", "redis", "env", "ports", "run_dir", "gpu"}
