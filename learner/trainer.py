@@ -330,7 +330,7 @@ class Trainer:
         have): this rank's share of them cut into micro-batches, as many as the rank with the most
         (an empty one is an idle pass), and the trained tokens of all of them."""
         cfg, world = self.cfg, self.parallel.world
-        rng = np.random.default_rng([cfg.seed, self._updates_done()])
+        rng = np.random.default_rng([cfg.seed % 2 ** 32, self._updates_done()])
         drawn = [self.sft_examples[i] for i in
                  rng.choice(len(self.sft_examples), min(cfg.sft_episodes, len(self.sft_examples)), replace=False)]
         parts = []
