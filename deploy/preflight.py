@@ -298,7 +298,8 @@ def check_sft_data(cfg: Config, ctx: Context) -> str:
 
     vocab = getattr(ctx.model_config, "vocab_size", None)
     try:
-        examples = read_examples(lcfg.sft_data, vocab or sys.maxsize)
+        examples = read_examples(lcfg.sft_data, vocab or sys.maxsize,
+                                 getattr(ctx.model_config, "max_position_embeddings", None))
     except ValueError as exc:
         raise Failed(str(exc)) from None
     unchecked = "" if vocab else " (their tokens not checked: the model's vocabulary is unknown here)"
@@ -311,7 +312,7 @@ CHECKS: dict[str, Callable[[Config, Context], str]] = {
     "env": check_env, "ports": check_ports, "run_dir": check_run_dir, "gpu": check_gpu, "metrics": check_metrics,
     "sft_data": check_sft_data,
 }
-DEPENDS = {"lengths": "model", "sft_data": "model"}
+DEPENDS = {"lengths": "model"}
 ROLES = {
     "run": ["names", "model", "lengths", "redis", "env", "ports", "run_dir", "gpu", "metrics", "sft_data"],
     "doctor": list(CHECKS),

@@ -170,7 +170,7 @@ def plain_logprobs(lm: torch.nn.Module, tokens: torch.Tensor, rows: torch.Tensor
 
 
 
-def padded_examples(examples: list[tuple[list[int], list[int]]], device: torch.device
+def padded_examples(examples: list, device: torch.device
                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Episodes' (tokens, loss_mask) padded together, for PolicyScorer: tokens, attention mask
     and the rows (sample, position) of their trained tokens (never position 0, which nothing

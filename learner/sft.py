@@ -28,9 +28,11 @@ from learner.trainer import autocast, place
 Example = tuple[Sequence[int], Sequence[int]]  # (tokens, loss_mask) of one episode
 
 
-def read_examples(paths: Sequence[str], vocab_size: int, field: str = "learner.sft_data") -> list[Example]:
+def read_examples(paths: Sequence[str], vocab_size: int, positions: int | None = None,
+                  field: str = "learner.sft_data") -> list[Example]:
     """(tokens, loss_mask) of every episode of the trajectory files `paths` (parquet, as `omrl collect`
-    writes them), checked against the policy's vocabulary: a ValueError names `field` and the fix."""
+    writes them) as int32 and uint8 arrays, checked against the policy's vocabulary and its
+    `positions` (where known): a ValueError names `field` and the fix."""
     import pyarrow.parquet as pq
 
     examples: list[Example] = []
@@ -47,12 +49,16 @@ def read_examples(paths: Sequence[str], vocab_size: int, field: str = "learner.s
             if not tokens or mask is None or len(mask) != len(tokens):
                 raise ValueError(f"{field}: {path}, record {n} has no tokens and loss mask of one length: write the "
                                  f"file with `omrl collect` or `omrl import-trajectories`")
-            if max(tokens) >= vocab_size or min(tokens) < 0:
-                raise ValueError(f"{field}: {path}, record {n} has token id {max(tokens)} beyond the policy's "
-                                 f"vocabulary ({vocab_size}): the file was tokenised for another model; write it "
-                                 f"again with `omrl collect --model` the policy")
+            bad = next((t for t in tokens if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise ValueError(f"{field}: {path}, record {n} has token id {bad}, outside the policy's vocabulary "
+                                 f"({vocab_size}): the file was tokenised for another model; write it again with "
+                                 f"`omrl collect --model` the policy")
+            if positions is not None and len(tokens) > positions:
+                raise ValueError(f"{field}: {path}, record {n} has {len(tokens)} tokens, more than the model's "
+                                 f"{positions} positions: leave the longer episodes out of the file")
             if any(mask[1:]):
-                examples.append((tokens, mask))
+                examples.append((np.asarray(tokens, np.int32), np.asarray(mask, np.uint8)))
     if not examples:
         raise ValueError(f"{field}: no episode with a trained token in {', '.join(paths)}")
     return examples

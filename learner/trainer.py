@@ -77,11 +77,11 @@ class Trainer:
     """`reference`: the frozen starting policy for the KL penalty (learner.kl_coef > 0), as the
     parallel layer loaded it (`parallel.load_model(path, REFERENCE_DTYPE[precision], trainable=False)`:
     sharded under FSDP2); unset, a copy of `model` in that dtype. `sft_examples`: the episodes
-    (tokens, loss_mask) of the supervised term (learner.sft_coef; `learner.sft.read_examples`)."""
+    (tokens, loss_mask arrays) of the supervised term (learner.sft_coef; `learner.sft.read_examples`)."""
 
     def __init__(self, model: torch.nn.Module, cfg: LearnerConfig, parallel: Single | None = None,
                  reference: torch.nn.Module | None = None,
-                 sft_examples: Sequence[tuple[Sequence[int], Sequence[int]]] = ()):
+                 sft_examples: Sequence[tuple[np.ndarray, np.ndarray]] = ()):
         self.cfg = cfg
         self.sft_examples = list(sft_examples) if cfg.sft_coef > 0 else []
         if cfg.sft_coef > 0 and not self.sft_examples:
@@ -324,7 +324,7 @@ class Trainer:
             stats["kl_ref"] = kl.detach()
         return loss, {k: v.detach().float().cpu() for k, v in stats.items()}
 
-    def _sft_parts(self) -> tuple[list[list[tuple[Sequence[int], Sequence[int]]]], float]:
+    def _sft_parts(self) -> tuple[list[list[tuple[np.ndarray, np.ndarray]]], float]:
         """This update's learner.sft_episodes episodes of learner.sft_data, drawn from the seed and
         the update's count (every rank draws the same ones; a resumed run draws what it would
         have): this rank's share of them cut into micro-batches, as many as the rank with the most
@@ -341,7 +341,7 @@ class Trainer:
                           microbatches(list(range(len(share))), lengths, cfg.max_tokens_per_microbatch)])
         mine = parts[self.parallel.rank]
         mine += [[] for _ in range(max(map(len, parts)) - len(mine))]
-        return mine, float(sum(sum(m[1:]) for _t, m in drawn))
+        return mine, float(sum(int(m[1:].sum()) for _t, m in drawn))
 
     def _sft_loss(self, examples: list, n_sft: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """learner.sft_coef times the summed NLL of the trained tokens of `examples` over the update's

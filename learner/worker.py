@@ -244,7 +244,8 @@ class Learner:
         sft = []
         if lcfg.sft_coef > 0:
             try:
-                sft = read_examples(lcfg.sft_data, model.config.vocab_size)
+                sft = read_examples(lcfg.sft_data, model.config.vocab_size,
+                                    getattr(model.config, "max_position_embeddings", None))
             except ValueError as exc:
                 raise SystemExit(f"error: {exc}") from None
             log.info("supervised term (learner.sft_coef = %g): %d episodes of %s", lcfg.sft_coef, len(sft),

@@ -38,14 +38,15 @@ def varied_group(rng: np.random.Generator, size: int = 4) -> RolloutGroup:
                         samples=samples)
 
 
-def sft_examples(rng: np.random.Generator, n: int = 12) -> list[tuple[list[int], list[int]]]:
+def sft_examples(rng: np.random.Generator, n: int = 12) -> list[tuple[np.ndarray, np.ndarray]]:
     """Episodes (tokens, loss_mask) of 12 to 60 tokens, each a prompt then two trained answers
-    around an observation, for the learner's supervised term (learner.sft_coef)."""
+    around an observation, as `learner.sft.read_examples` gives them, for the learner's
+    supervised term (learner.sft_coef)."""
     out = []
     for _ in range(n):
         prompt, answer, obs = (int(rng.integers(4, 13)), int(rng.integers(2, 13)), int(rng.integers(2, 11)))
         mask = [0] * prompt + [1] * answer + [0] * obs + [1] * answer
-        out.append((rng.integers(0, 80, len(mask)).tolist(), mask))
+        out.append((rng.integers(0, 80, len(mask)).astype(np.int32), np.array(mask, np.uint8)))
     return out
 
 

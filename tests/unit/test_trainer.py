@@ -336,10 +336,12 @@ def test_the_supervised_terms_files_are_checked_at_the_start(tiny_model, tmp_pat
     good, wide = tmp_path / "good.parquet", tmp_path / "wide.parquet"
     pq.write_table(pa.table({"tokens": [[1, 2, 3, 4]], "loss_mask": [[0, 0, 1, 1]]}), good)
     pq.write_table(pa.table({"tokens": [[1, 2, 300]], "loss_mask": [[0, 1, 1]]}), wide)
-    assert read_examples([str(good)], 100) == [([1, 2, 3, 4], [0, 0, 1, 1])]
-    for path, words in ((wide, "beyond the policy's vocabulary (100)"), (tmp_path / "none.parquet", "omrl collect")):
+    [(tokens, mask)] = read_examples([str(good)], 100)
+    assert tokens.tolist() == [1, 2, 3, 4] and mask.tolist() == [0, 0, 1, 1]
+    for path, words in ((wide, "token id 300, outside the policy's vocabulary (100)"),
+                        (tmp_path / "none.parquet", "omrl collect"), (good, "4 tokens, more than the model's 3")):
         with pytest.raises(ValueError, match="learner.sft_data") as failed:
-            read_examples([str(path)], 100)
+            read_examples([str(path)], 100, positions=3)
         assert words in str(failed.value)
     with pytest.raises(ValidationError, match="learner.sft_data"):
         Config.model_validate({"learner": {"sft_coef": 0.1}})
