@@ -17,7 +17,8 @@ turn caps, the model's shape, the stages' defaults):
                   --eval-samples K (TextCraft: 8) also K sampled episodes a task at temperature 1:
                   pass@1 with an interval clustered by task
     6. rl         the async loop (`omrl run`: Redis, env server, vLLM actors, learner) from the
-                  SFT model on the RL strata's train split
+                  SFT model on the RL strata's train split; with --rl-sft COEF the learner also
+                  trains on stage 3's episodes at that weight (learner.sft_coef)
     7. after      the RL model plays the same held-out tasks
                   (with --seeds N, stages 6 and 7 again for seeds 1..N-1: rl-seed1, after-seed1, ...;
                   seed s sets learner.seed = s and actor.seed = 100 s)
