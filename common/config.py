@@ -512,6 +512,11 @@ class SupervisorConfig(Section):
     start_grace_s: float = Field(900.0, gt=0)
     """A process that has not yet made progress this long after a start (vLLM's start, loading the
     model) is taken as hung too."""
+    log_max_mb: float = Field(64.0, ge=0)
+    """A process's log (RUN_DIR/logs/NAME.log) past this size is copied to NAME.log.1 (replacing the
+    older copy) and emptied in place, as logrotate's copytruncate does: a run of days keeps at most
+    about twice this a process. The process writes on (its log is open for appending); lines it
+    writes between the copy and the emptying are lost. 0: never rotated."""
 
 
 class SFTConfig(Section):

@@ -19,6 +19,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from common.retry import wait_http
 
 log = logging.getLogger("omrl.run")
 STOP_TIMEOUT_S = 20.0
+ROTATE_EVERY_S = 10.0  # how often the supervisor looks at the logs' sizes
 PLOT_TIMEOUT_S = 300.0
 
 
@@ -128,6 +130,18 @@ class Process:
         """SIGTERM, wait, then SIGKILL the whole process group."""
         stop_all([self], timeout)
 
+    def rotate_log(self, max_bytes: int) -> bool:
+        """Past `max_bytes`, the log is copied to NAME.log.1 and emptied in place (supervisor.log_max_mb)."""
+        try:
+            if not self.log_path.exists() or self.log_path.stat().st_size <= max_bytes:
+                return False
+            shutil.copyfile(self.log_path, self.log_path.with_name(self.log_path.name + ".1"))
+            os.truncate(self.log_path, 0)
+        except OSError as exc:  # a full disk, a log removed by hand: the run goes on, unrotated this time
+            log.warning("could not rotate %s: %s", self.log_path, exc)
+            return False
+        return True
+
     def tail(self, lines: int = 20) -> str:
         if lines <= 0 or not self.log_path.exists():
             return ""
@@ -170,11 +184,22 @@ class Supervisor:
     def __init__(self, cfg: SupervisorConfig, processes: list[Process], learner: Process | None):
         self.cfg, self.processes, self.learner = cfg, processes, learner
         self.failure: str | None = None  # why check() returned 1, in one line
+        self.rotated_at = time.monotonic()  # the last look at the logs' sizes
+
+    def rotate_logs(self, every_s: float = ROTATE_EVERY_S) -> None:
+        """Every `every_s`, each log past supervisor.log_max_mb is rotated."""
+        if not self.cfg.log_max_mb or time.monotonic() - self.rotated_at < every_s:
+            return
+        self.rotated_at = time.monotonic()
+        for p in self.processes:
+            if p.rotate_log(int(self.cfg.log_max_mb * 2 ** 20)):
+                log.info("%s's log passed %g MB: the earlier part is in %s.1", p.name, self.cfg.log_max_mb, p.log_path)
 
     def backoff(self, process: Process) -> float:
         return min(self.cfg.backoff_max_s, self.cfg.backoff_s * 2 ** max(0, len(process.restarts) - 1))
 
     def check(self) -> int | None:
+        self.rotate_logs()
         now = time.monotonic()
         for p in self.processes:
             if p.given_up:

@@ -283,3 +283,38 @@ def test_a_stopped_redis_is_found_by_its_pings_and_replaced_and_a_call_to_it_tim
     finally:
         stop.set()
         stop_all([redis], timeout=5)
+
+
+def test_a_log_past_its_size_is_copied_aside_and_emptied_while_the_process_writes_on(tmp_path, caplog):
+    """supervisor.log_max_mb: a process writing numbered lines non-stop. Each rotation leaves
+    NAME.log.1 holding a run of earlier lines and NAME.log small, and the process's later lines
+    land at the start of the emptied file (it writes in append mode: no hole of zeros where its
+    old offset was). Past the last rotation the log holds every line written since, in order."""
+    writer = python(tmp_path, "actor0", "import itertools, sys, time\n"
+                                        "for i in itertools.count():\n"
+                                        "    print(f'line {i:08d} ' + 'x' * 200, flush=True)\n"
+                                        "    time.sleep(0.0005)")
+    supervisor = Supervisor(SupervisorConfig(log_max_mb=0.25), [writer], learner=None)
+    writer.start()
+    rotations = 0
+    try:
+        with caplog.at_level(logging.INFO):
+            deadline = time.monotonic() + 60
+            while rotations < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+                before = writer.log_path.stat().st_size
+                supervisor.rotate_logs(every_s=0)
+                rotations += before > 0.25 * 2 ** 20 and writer.log_path.stat().st_size < before
+            time.sleep(0.5)  # lines after the last rotation
+    finally:
+        writer.stop(timeout=5)
+    assert rotations == 3, rotations
+    assert "actor0's log passed 0.25 MB" in caplog.text
+    older = writer.log_path.with_name("actor0.log.1").read_bytes()
+    current = writer.log_path.read_bytes()
+    assert b"\0" not in current and len(current) < 0.5 * 2 ** 20
+    whole = lambda text: [int(line.split()[1]) for line in text.decode().splitlines() if len(line) == 214]  # noqa: E731
+    numbers = whole(current)  # the copy may end inside a line; the emptied file begins with a whole one
+    assert numbers and numbers == list(range(numbers[0], numbers[0] + len(numbers))), "lines lost or out of order"
+    assert whole(older)[-1] < numbers[0]
+    assert SupervisorConfig().log_max_mb == 64 and not python(tmp_path, "x", "").rotate_log(0)  # no log yet
