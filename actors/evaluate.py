@@ -42,25 +42,30 @@ class ServerPolicy:
     """The env server's own policy (`oracle` or `random`): the action comes from the server; its
     text goes into the token buffer as if generated (log-prob 0, version -1).
 
-    `noise`: the share of the oracle's turns where a mistake (the env's `mistake_action`: a
-    random action unless the env has a typical mistake) takes their place, outside the loss mask
-    (Turn.trained): the episodes then show the oracle recovering from mistakes, the states a
-    model that learned from clean episodes alone never saw (DAgger's point, without a model in
-    the loop). The oracle plans from the state it finds, so it recovers. Whether a turn is a
-    mistake depends on `seed` and the episode's tokens so far alone (and the server draws an
-    episode's mistakes from its task's own seed), so the same seed collects the same episodes
-    whatever order concurrent episodes take their turns in."""
+    `noise`: the share of the oracle's turns where a mistake takes their place, outside the loss
+    mask (Turn.trained): the episodes then show the oracle recovering from mistakes, the states a
+    model that learned from clean episodes alone never saw. The oracle plans from the state it
+    finds, so it recovers. The mistakes are the env's (`mistake_action`: a random action unless
+    the env has a typical mistake), or with `mistakes` a policy's own turns (a model sampling):
+    then the oracle's turns label the states that policy reaches, DAgger's data (Ross et al.
+    2011, with the policy and the oracle mixed turn by turn). Whether a turn is a mistake depends
+    on `seed` and the episode's tokens so far alone (and the server draws an episode's mistakes
+    from its task's own seed), so the same seed collects the same episodes whatever order
+    concurrent episodes take their turns in (a sampling model's turns aside)."""
 
-    def __init__(self, setup: EpisodeSetup, kind: str, noise: float = 0.0, seed: int = 0):
+    def __init__(self, setup: EpisodeSetup, kind: str, noise: float = 0.0, seed: int = 0,
+                 mistakes: Policy | None = None):
         if kind not in ("oracle", "random"):
             raise ValueError(f"unknown server policy {kind!r}: oracle or random")
         if not 0 <= noise < 1:
             raise ValueError(f"noise must be in [0, 1), got {noise}")
-        self.setup, self.kind, self.noise, self.seed = setup, kind, noise, seed
+        self.setup, self.kind, self.noise, self.seed, self.mistakes = setup, kind, noise, seed, mistakes
 
     async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None) -> Turn:
         env = self.setup.env
         noisy = self.kind == "oracle" and self.noise > 0 and self._draw(tokens) < self.noise
+        if noisy and self.mistakes is not None:
+            return dataclasses.replace(await self.mistakes.act(tokens, budget, env_id), trained=False)
         if noisy:
             action = await env.mistake_action(env_id)
         else:

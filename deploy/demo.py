@@ -16,9 +16,14 @@ turn caps, the model's shape, the stages' defaults):
     5. before     the SFT model plays each stratum's held-out tasks greedily; with
                   --eval-samples K (TextCraft: 8) also K sampled episodes a task at temperature 1:
                   pass@1 with an interval clustered by task
+   (dagger)       with --dagger SHARE: the SFT model plays SHARE of the turns of the oracle's
+                  episodes on the RL strata's train tasks, sampled and outside the loss; the
+                  oracle's turns label the states the model reaches (`omrl collect --mistakes
+                  model`: DAgger's data), OUT/dagger.parquet, the RL stage's supervised term
     6. rl         the async loop (`omrl run`: Redis, env server, vLLM actors, learner) from the
                   SFT model on the RL strata's train split; with --rl-sft COEF the learner also
-                  trains on stage 3's episodes at that weight (learner.sft_coef)
+                  trains on stage 3's episodes (or with --dagger, on the dagger stage's) at that
+                  weight (learner.sft_coef)
     7. after      the RL model plays the same held-out tasks
                   (with --seeds N, stages 6 and 7 again for seeds 1..N-1: rl-seed1, after-seed1, ...;
                   seed s sets learner.seed = s and actor.seed = 100 s)
@@ -176,8 +181,8 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rl-goals", type=int, help="textcraft: train goals of the RL depths (a share of each) that SFT "
                                                 "never sees and RL alone trains on, as new to the model as the held-out "
                                                 "ones (0: RL on SFT's goals)")
-    p.add_argument("--episodes", type=int, help="oracle episodes to fine-tune on (babyai 4000; textcraft: 0, "
-                                                "one per train goal)")
+    p.add_argument("--episodes", type=int, help="oracle episodes to fine-tune on, and --dagger's (babyai 4000; "
+                                                "textcraft: 0, one per train task)")
     p.add_argument("--eval-samples", type=int, help="sampled episodes per held-out task besides the greedy one, "
                                                     "for pass@1 (babyai 0, textcraft 8)")
     p.add_argument("--collect-noise", type=float, help="the share of the oracle's turns a mistake takes, "
@@ -196,6 +201,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rl-sft", type=float, default=0.0, metavar="COEF",
                    help="the RL stage's supervised term on the oracle's episodes SFT trained on (OUT/oracle.parquet) "
                         "beside its loss, at this weight (learner.sft_coef; default 0: off)")
+    p.add_argument("--dagger", type=float, default=0.0, metavar="SHARE",
+                   help="with --rl-sft: the supervised term's episodes are the oracle's with SHARE of their turns "
+                        "played by the SFT model (sampled, outside the loss; OUT/dagger.parquet, on the RL stage's "
+                        "train tasks): the oracle's labels on the states the model reaches (default 0: the oracle's "
+                        "own episodes)")
     p.add_argument("--seeds", type=int, default=1, help="RL stages from the same SFT model, each with its seed and "
                                                         "its evaluation after (default 1)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -235,6 +245,9 @@ def make_demo(args: argparse.Namespace) -> Demo:
     args.out = args.out or f"runs/demo-{recipe.env}"
     if args.seeds < 1:
         raise SystemExit(f"error: --seeds takes 1 or more, got {args.seeds}")
+    if args.dagger and not (0 < args.dagger < 1 and args.rl_sft > 0):
+        raise SystemExit(f"error: --dagger takes a share in (0, 1), for the supervised term: give --rl-sft COEF too "
+                         f"(got --dagger {args.dagger}, --rl-sft {args.rl_sft})")
     strata, rl_train = recipe.split(args)
     out = Path(args.out)
     if args.fresh and out.exists():
@@ -307,7 +320,7 @@ class Demo:
         self.skipped: list[str] = []
         self.state_path = out / "stages.json"
         self.done = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
-        self.bar = Progress(len(STAGES) + 2 * args.seeds, "stages", "demo")
+        self.bar = Progress(len(STAGES) + bool(args.dagger) + 2 * args.seeds, "stages", "demo")
 
     def stage(self, name: str, body) -> None:
         if name in self.done:
@@ -341,6 +354,8 @@ class Demo:
         self.stage("collect", self.collect)
         self.stage("sft", self.sft)
         self.stage("before", lambda: self.evaluate("sft", "before"))
+        if self.args.dagger:
+            self.stage("dagger", self.dagger)
 
     def stratum_dir(self, key: str) -> Path:
         return self.out / "tasks" / f"{self.recipe.stratum}-{key}"
@@ -374,6 +389,16 @@ class Demo:
                   str(self.out / "oracle.parquet"), "--model", str(self.out / "model0"), "--only-success",
                   "--noise", str(self.args.collect_noise))
 
+    def dagger(self) -> None:
+        """The RL train tasks once each (the first --episodes of them where given), the SFT model
+        sampling a share of the turns: every episode kept (the oracle's labels hold in a failing
+        one too)."""
+        episodes = self.args.episodes or sum(len(train) for train in self.rl_train.values())
+        self.omrl("dagger", "collect", "--config", str(self.out / "config.toml"), "--env", self.env,
+                  "--tasks", str(self.out / "tasks" / "rl"), "--episodes", str(episodes), "--out",
+                  str(self.out / "dagger.parquet"), "--model", str(self.out / "sft"), "--mistakes", "model",
+                  "--noise", str(self.args.dagger))
+
     def sft(self) -> None:
         self.omrl("sft", "sft", "--config", str(self.out / "config.toml"), "--data", str(self.out / "oracle.parquet"),
                   "--model", str(self.out / "model0"), "--out", str(self.out / "sft"), "--tasks",
@@ -397,7 +422,8 @@ class Demo:
         (`overrides` after the command line's --set: the staleness study's arms)."""
         learner = {**LEARNER, "steps": self.args.rl_steps}
         if self.args.rl_sft:
-            learner.update(sft_coef=self.args.rl_sft, sft_data=[str((self.out / "oracle.parquet").resolve())])
+            data = self.out / ("dagger.parquet" if self.args.dagger else "oracle.parquet")
+            learner.update(sft_coef=self.args.rl_sft, sft_data=[str(data.resolve())])
         config = {"env": {"name": self.env, "tasks": str(self.out / "tasks" / "rl")},
                   "actor": {**self.recipe.actor, **RL_ACTOR}, "learner": learner}
         (self.out / "rl.toml").write_text(to_toml(config))

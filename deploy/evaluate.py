@@ -85,7 +85,7 @@ async def _evaluate_all(cfg: Config, args: argparse.Namespace):
         agent = load_agent(cfg.actor) if args.policy == "model" else None
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
-    engine = _engine(cfg) if args.policy == "model" else None
+    engine = model_engine(cfg) if args.policy == "model" else None
     tokenizer = engine.tokenizer if engine else tokenizer_of(cfg)
     results = []
     try:
@@ -160,7 +160,7 @@ class ModelPlayer:
         cfg = self.cfg
         self._stack = contextlib.AsyncExitStack()
         await self._stack.__aenter__()
-        self.engine = _engine(cfg)
+        self.engine = model_engine(cfg)
         self._stack.callback(self._shutdown)
         session = await self._stack.enter_async_context(
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)))
@@ -204,7 +204,8 @@ def eval_row(result) -> dict:
             "eval/reward_ci": list(result.reward_ci), "eval/episodes": result.episodes}
 
 
-def _engine(cfg: Config):
+def model_engine(cfg: Config):
+    """A vLLM engine on cfg.model.path in this process (its weights as version 0)."""
     from actors.engine import VLLMEngine
 
     return VLLMEngine(cfg.model, cfg.actor, cfg.model.path, seed=cfg.actor.seed)

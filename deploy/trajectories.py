@@ -1,7 +1,9 @@
 """`omrl collect` and `omrl import-trajectories`: trajectory files for `omrl sft`.
 
 collect: an env's oracle (or random policy) plays tasks of the train split (or the test
-split, `--split test`) through the actors' episode loop, with the configured action template
+split, `--split test`) through the actors' episode loop (with `--noise`, a share of the
+oracle's turns are mistakes outside the loss: the env's, or `--mistakes model` the model's own
+sampled turns, so the oracle's turns label the states the model reaches: DAgger's data), with the configured action template
 and the model's tokenizer and chat template; the file holds the conversations and the tokens
 and loss masks the actors would have built. import-trajectories: AgentGym / OpenManus-RL
 conversation files (JSON, JSON lines) to the same parquet rows, tokenised for `--model`.
@@ -27,6 +29,9 @@ def collect_main(args: argparse.Namespace) -> int:
 
     if args.episodes < 1:
         raise SystemExit("error: --episodes must be at least 1")
+    if args.mistakes == "model" and not (args.model and args.noise > 0 and args.policy == "oracle"):
+        raise SystemExit("error: --mistakes model needs --model (the model that plays them) and --noise above 0 "
+                         "(the share of the oracle's turns it plays)")
     cfg = _config(args, {"env.name": args.env, "env.tasks": args.tasks or None})
     from envs.base import EpisodeError
 
@@ -50,11 +55,11 @@ async def _collect(cfg: Config, args: argparse.Namespace) -> list[dict]:
     import aiohttp
 
     from actors.episode import EpisodeSetup
-    from actors.evaluate import ServerPolicy
+    from actors.evaluate import PinnedModelPolicy, ServerPolicy
     from actors.templates import make_template
     from actors.trajectories import collect
     from common.progress import Progress
-    from deploy.evaluate import env_server, tokenizer_of
+    from deploy.evaluate import env_server, model_engine, tokenizer_of
     from envs.client import EnvClient
     from envs.specs import spec_of
     from envs.tasks import task_data, task_split
@@ -63,14 +68,21 @@ async def _collect(cfg: Config, args: argparse.Namespace) -> list[dict]:
     tasks = list(train if args.split == "train" else test)[:args.episodes]
     if len(tasks) < args.episodes:
         log.warning("the %s split has %d tasks: playing each once", args.split, len(tasks))
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
-        async with env_server(cfg.env.name, cfg, None) as url:
-            client = EnvClient(url, session, cfg.env.timeout_s, spec_of(cfg.env))
-            setup = EpisodeSetup(client, tokenizer_of(cfg), cfg.actor, make_template(cfg.actor.action_template),
-                                 cfg.env.name, task_data(cfg.env))
-            with Progress(len(tasks), "episodes", f"collecting {cfg.env.name} ({args.policy})") as bar:
-                return await collect(setup, ServerPolicy(setup, args.policy, args.noise, args.seed), args.policy, tasks,
-                                     progress=lambda _done: bar.update())
+    engine = model_engine(cfg) if args.mistakes == "model" else None
+    mistakes = PinnedModelPolicy(engine, version=0, temperature=args.temperature) if engine else None
+    who = f"{args.policy}, {args.noise:.0%} of its turns the model's" if engine else args.policy
+    try:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)) as session:
+            async with env_server(cfg.env.name, cfg, None) as url:
+                client = EnvClient(url, session, cfg.env.timeout_s, spec_of(cfg.env))
+                setup = EpisodeSetup(client, engine.tokenizer if engine else tokenizer_of(cfg), cfg.actor,
+                                     make_template(cfg.actor.action_template), cfg.env.name, task_data(cfg.env))
+                policy = ServerPolicy(setup, args.policy, args.noise, args.seed, mistakes)
+                with Progress(len(tasks), "episodes", f"collecting {cfg.env.name} ({who})") as bar:
+                    return await collect(setup, policy, args.policy, tasks, progress=lambda _done: bar.update())
+    finally:
+        if engine is not None:
+            engine.shutdown()
 
 
 def import_main(args: argparse.Namespace) -> int:

@@ -1,5 +1,6 @@
-"""`omrl collect`: an env's oracle (or random policy) plays tasks; the episodes as a trajectory
-file (deploy/trajectories.py)."""
+"""`omrl collect`: an env's oracle (or random policy) plays tasks, with a share of its turns
+mistakes (the env's or a model's) if asked; the episodes as a trajectory file
+(deploy/trajectories.py)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
                    help="oracle: the share of turns a mistake takes instead (the env's: a random action, or the env's "
                         "typical mistake), left out of the loss, so the episodes show the oracle recovering from "
                         "mistakes (default 0)")
+    p.add_argument("--mistakes", choices=("env", "model"), default="env",
+                   help="--noise: whose turns the mistakes are: the env's (default), or the model's (--model, "
+                        "sampled at --temperature): the oracle's turns then label the states the model reaches "
+                        "(DAgger's data)")
+    p.add_argument("--temperature", type=float, default=1.0, help="--mistakes model: the model's sampling temperature")
     p.add_argument("--seed", type=int, default=0, help="--noise: the seed of which turns are mistakes")
 
 

@@ -18,6 +18,7 @@ import sys
 
 import pytest
 
+from actors.trajectories import read_episodes
 from common.metrics import read_jsonl
 from deploy.demo import LEARNER
 from envs.tasks import read_tasks
@@ -92,7 +93,7 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
     # starts an engine of its own).
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "demo", "textcraft", "--out", str(out), "--test-goals",
                            "4", "--variants", "2", "--episodes", "120", "--eval-samples", "3", "--sft-epochs", "2", "--sft-eval-episodes",
-                           "4", "--rl-steps", "2", "--rl-sft", "0.5", "--set", "learner.groups_per_step=2", "--set",
+                           "4", "--rl-steps", "2", "--rl-sft", "0.5", "--dagger", "0.5", "--set", "learner.groups_per_step=2", "--set",
                            "actor.group_size=4",
                            "--set", "actor.max_turns=12"],
                           capture_output=True, text=True, timeout=patience(300))
@@ -116,6 +117,13 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
     curve = [r for r in read_jsonl(out / "sft" / "sft_metrics.jsonl") if "sft/heldout_loss" in r]
     assert curve[-1]["sft/heldout_loss"] < curve[0]["sft/heldout_loss"], curve
     rl_books_balance(out / "rl", 2, groups=2)
-    # --rl-sft: the learner read the oracle's episodes SFT trained on and scored them beside RL's loss.
-    assert all(0 < r["learner/loss/sft"] < curve[0]["sft/heldout_loss"] for r in read_jsonl(out / "rl" / "metrics.jsonl"))
+    # --dagger: the SFT model played about half the turns of 120 RL train tasks, outside the loss;
+    # --rl-sft: the learner read those episodes and scored the oracle's turns beside RL's loss.
+    assert list(json.loads((out / "stages.json").read_text())) == ["tasks", "model", "collect", "sft", "before",
+                                                                   "dagger", "rl", "after"]
+    dagger = read_episodes(out / "dagger.parquet")
+    turns = [turn for r in dagger for turn in r["conversations"] if turn["from"] == "gpt"]
+    assert len(dagger) == 120 and 0.3 < sum(not turn["loss"] for turn in turns) / len(turns) < 0.7, len(turns)
+    assert {r["task_idx"] for r in dagger} <= set(read_tasks(out / "tasks" / "rl" / "train.parquet", "textcraft"))
+    assert all(0 < r["learner/loss/sft"] for r in read_jsonl(out / "rl" / "metrics.jsonl"))
     assert (out / "rl-model" / "config.json").is_file() and (out / "demo.png").is_file()

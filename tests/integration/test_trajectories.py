@@ -138,6 +138,54 @@ def test_a_noisy_collect_is_the_same_whatever_order_its_episodes_take_turns_in(t
     assert conversations[0] != conversations[2]
 
 
+class Says:
+    """A policy that always writes the same action (a model's mistakes, without an engine)."""
+
+    def __init__(self, setup: EpisodeSetup, text: str):
+        self.ids = setup.format.agent_turn(text)
+
+    async def act(self, tokens: list[int], budget: int, env_id: int) -> Turn:
+        return Turn(Generation(self.ids, [-1.0] * len(self.ids), "stop"), 0)
+
+
+async def dagger_collect(url: str, tokenizer, actor: ActorConfig) -> list[dict]:
+    async with aiohttp.ClientSession() as session:
+        setup = EpisodeSetup(EnvClient(url, session, 60, spec_for("letters")), tokenizer, actor, make_template("raw"),
+                             "letters")
+        return await collect(setup, ServerPolicy(setup, "oracle", 0.5, 3, mistakes=Says(setup, "q")), "oracle",
+                             range(24))
+
+
+def test_a_policy_s_own_turns_as_the_mistakes_are_context_and_the_oracle_s_label_what_follows(tmp_path):
+    """`omrl collect --mistakes model` (DAgger's data): the other policy plays the noisy turns
+    (its tokens are in the episode as it generated them, and the env answered them) outside the
+    loss; the oracle plays the rest, from the states they left, inside it."""
+    from transformers import AutoTokenizer
+
+    from common.config import load_config
+
+    model = omrl("init-model", str(tmp_path / "model")).stdout.strip().splitlines()[-1]
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    actor = load_config(None, ["actor.chat_template=\"none\""]).actor
+    with env_server_process("letters") as url:
+        rows = asyncio.run(dagger_collect(url, tokenizer, actor))
+    fmt = make_format(tokenizer, actor.chat_template, actor.stop)
+    gpt = [turn for r in rows for turn in r["conversations"] if turn["from"] == "gpt"]
+    assert 0.25 * len(gpt) < sum(turn["value"].strip() == "q" for turn in gpt) < 0.75 * len(gpt), len(gpt)
+    assert all(turn["loss"] == (turn["value"].strip() != "q") for turn in gpt)
+    for r in rows:  # the trained tokens are the oracle's turns, as the format writes them
+        trained = [turn for turn in r["conversations"] if turn["from"] == "gpt" and turn["loss"]]
+        assert [t for t, m in zip(r["tokens"], r["loss_mask"]) if m] == [
+            t for turn in trained for t in fmt.agent_turn(turn["value"])]
+    after_q = [c[k + 2] for r in rows for c in [r["conversations"]] for k, turn in enumerate(c[:-2])
+               if turn["from"] == "gpt" and not turn["loss"] and c[k + 2]["loss"]]
+    assert after_q and all(turn["value"] in "abcd" for turn in after_q)  # the oracle's labels of the states q left
+    done = subprocess.run([sys.executable, "-m", "deploy.cli", "collect", "--env", "letters", "--episodes", "2", "--out",
+                           str(tmp_path / "x.parquet"), "--mistakes", "model"], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode != 0 and "--mistakes model needs --model" in done.stderr
+
+
 def test_a_noisy_oracle_leaves_its_random_turns_out_of_the_loss(tmp_path):
     """`omrl collect --noise`: some turns are the random policy's, in the episode as context but
     outside the loss mask, and the file still re-tokenises to its own tokens and mask."""
