@@ -228,4 +228,8 @@ class VLLMEngine:
         await self.llm.resume_generation()
 
     def shutdown(self) -> None:
-        self.llm.shutdown()
+        """Stops the engine and drops it: vLLM's finaliser fails if it first runs at interpreter
+        exit (`AsyncLLM.__del__`: "'NoneType' object is not callable"). A second call does nothing."""
+        llm, self.llm = self.llm, None
+        if llm is not None:
+            llm.shutdown()

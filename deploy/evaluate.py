@@ -161,7 +161,7 @@ class ModelPlayer:
         self._stack = contextlib.AsyncExitStack()
         await self._stack.__aenter__()
         self.engine = model_engine(cfg)
-        self._stack.callback(self._shutdown)
+        self._stack.callback(self.engine.shutdown)
         session = await self._stack.enter_async_context(
             aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)))
         url = await self._stack.enter_async_context(env_server(self.env_name, cfg, None))
@@ -173,9 +173,6 @@ class ModelPlayer:
     async def __aexit__(self, *exc) -> None:
         await self._stack.__aexit__(*exc)
 
-    def _shutdown(self) -> None:
-        self.engine.shutdown()
-        self.engine = None  # dropped now: vLLM's finaliser fails if it first runs at interpreter exit
 
     async def load(self, state: dict) -> None:
         """Weights named as in Hugging Face (a state dict of the causal LM), loaded in place."""

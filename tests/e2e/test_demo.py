@@ -90,7 +90,7 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
     out = tmp_path / "demo"
     # Small: an SFT model this short-trained plays most episodes to the turn cap. About 300 s
     # alone on the reference machine: SFT 82 s, each evaluation about 75, RL 55 (each stage
-    # starts an engine of its own).
+    # starts an engine of its own); 380 s with the dagger stage (2026-11-29, a fast machine).
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "demo", "textcraft", "--out", str(out), "--test-goals",
                            "4", "--variants", "2", "--episodes", "120", "--eval-samples", "3", "--sft-epochs", "2", "--sft-eval-episodes",
                            "4", "--rl-steps", "2", "--rl-sft", "0.5", "--dagger", "0.5", "--set", "learner.groups_per_step=2", "--set",
