@@ -320,6 +320,9 @@ class Demo:
         self.skipped: list[str] = []
         self.state_path = out / "stages.json"
         self.done = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        if args.dagger and "dagger" not in self.done and any(name.startswith("rl") for name in self.done):
+            raise SystemExit(f"error: {out} holds an RL stage trained without --dagger's data; start over with "
+                             f"--fresh (or another --out)")
         self.bar = Progress(len(STAGES) + bool(args.dagger) + 2 * args.seeds, "stages", "demo")
 
     def stage(self, name: str, body) -> None:

@@ -159,20 +159,23 @@ class ModelPlayer:
 
         cfg = self.cfg
         self._stack = contextlib.AsyncExitStack()
-        await self._stack.__aenter__()
-        self.engine = model_engine(cfg)
-        self._stack.callback(self.engine.shutdown)
-        session = await self._stack.enter_async_context(
-            aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)))
-        url = await self._stack.enter_async_context(env_server(self.env_name, cfg, None))
-        client = EnvClient(url, session, cfg.env.timeout_s, spec_of(cfg.env, self.env_name))
-        self.setup = EpisodeSetup(client, self.engine.tokenizer, cfg.actor, make_template(cfg.actor.action_template),
-                                  self.env_name, task_data(cfg.env) if self.env_name == cfg.env.name else {})
+        try:  # what started is stopped if the rest fails: __aexit__ does not run then
+            self.engine = model_engine(cfg)
+            self._stack.callback(self.engine.shutdown)
+            session = await self._stack.enter_async_context(
+                aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256)))
+            url = await self._stack.enter_async_context(env_server(self.env_name, cfg, None))
+            client = EnvClient(url, session, cfg.env.timeout_s, spec_of(cfg.env, self.env_name))
+            self.setup = EpisodeSetup(client, self.engine.tokenizer, cfg.actor,
+                                      make_template(cfg.actor.action_template), self.env_name,
+                                      task_data(cfg.env) if self.env_name == cfg.env.name else {})
+        except BaseException:
+            await self._stack.aclose()
+            raise
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self._stack.__aexit__(*exc)
-
 
     async def load(self, state: dict) -> None:
         """Weights named as in Hugging Face (a state dict of the causal LM), loaded in place."""

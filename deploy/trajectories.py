@@ -29,9 +29,11 @@ def collect_main(args: argparse.Namespace) -> int:
 
     if args.episodes < 1:
         raise SystemExit("error: --episodes must be at least 1")
+    if not 0 <= args.noise < 1:
+        raise SystemExit(f"error: --noise must be in [0, 1), got {args.noise}")
     if args.mistakes == "model" and not (args.model and args.noise > 0 and args.policy == "oracle"):
-        raise SystemExit("error: --mistakes model needs --model (the model that plays them) and --noise above 0 "
-                         "(the share of the oracle's turns it plays)")
+        raise SystemExit("error: --mistakes model needs --policy oracle, --model (the model that plays them) and "
+                         "--noise above 0 (the share of the oracle's turns it plays)")
     cfg = _config(args, {"env.name": args.env, "env.tasks": args.tasks or None})
     from envs.base import EpisodeError
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import tomllib
 
 import pytest
 
@@ -96,7 +97,7 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
                            "4", "--rl-steps", "2", "--rl-sft", "0.5", "--dagger", "0.5", "--set", "learner.groups_per_step=2", "--set",
                            "actor.group_size=4",
                            "--set", "actor.max_turns=12"],
-                          capture_output=True, text=True, timeout=patience(300))
+                          capture_output=True, text=True, timeout=patience(380))
     assert done.returncode == 0, done.stderr[-3000:]
     depths = goal_depths()
     before = json.loads((out / "before.json").read_text())
@@ -125,5 +126,6 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
     turns = [turn for r in dagger for turn in r["conversations"] if turn["from"] == "gpt"]
     assert len(dagger) == 120 and 0.3 < sum(not turn["loss"] for turn in turns) / len(turns) < 0.7, len(turns)
     assert {r["task_idx"] for r in dagger} <= set(read_tasks(out / "tasks" / "rl" / "train.parquet", "textcraft"))
+    assert tomllib.loads((out / "rl.toml").read_text())["learner"]["sft_data"] == [str((out / "dagger.parquet").resolve())]
     assert all(0 < r["learner/loss/sft"] for r in read_jsonl(out / "rl" / "metrics.jsonl"))
     assert (out / "rl-model" / "config.json").is_file() and (out / "demo.png").is_file()

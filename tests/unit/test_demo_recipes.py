@@ -172,6 +172,23 @@ def test_several_seeds_report_each_strata_change_with_a_t_interval(tmp_path):
         demo_mod.make_demo(args_of("babyai", "--out", str(tmp_path), "--seeds", "0"))
 
 
+def test_dagger_needs_the_supervised_term_a_share_and_a_demo_without_an_rl_stage_of_other_data(tmp_path):
+    for flags in (["--dagger", "0.5"], ["--dagger", "1.0", "--rl-sft", "1"], ["--dagger", "-0.1", "--rl-sft", "1"]):
+        with pytest.raises(SystemExit, match="--dagger takes a share in \\(0, 1\\)"):
+            demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "a"), "--test-goals", "4", *flags))
+    out = tmp_path / "b"
+    out.mkdir()
+    (out / "stages.json").write_text(json.dumps({"tasks": 1.0, "before": 2.0, "rl": 3.0}))
+    with pytest.raises(SystemExit, match="RL stage trained without --dagger's data; start over with --fresh"):
+        demo_mod.make_demo(args_of("textcraft", "--out", str(out), "--test-goals", "4", "--rl-sft", "1",
+                                   "--dagger", "0.5"))
+    demo = demo_mod.make_demo(args_of("textcraft", "--out", str(out), "--test-goals", "4", "--rl-sft", "1"))
+    assert demo.bar.total == len(demo_mod.STAGES) + 2
+    demo = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "c"), "--test-goals", "4", "--rl-sft", "1",
+                                      "--dagger", "0.5", "--seeds", "2"))
+    assert demo.bar.total == len(demo_mod.STAGES) + 1 + 4
+
+
 def test_shares_add_up_and_give_every_part_one():
     assert demo_mod.shares(144, {1: 125, 2: 291, 3: 117, 4: 11}) == {1: 33, 2: 77, 3: 31, 4: 3}
     assert demo_mod.shares(4, {1: 125, 2: 291, 3: 117, 4: 11}) == {1: 1, 2: 1, 3: 1, 4: 1}
