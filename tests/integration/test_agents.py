@@ -269,7 +269,7 @@ def test_omrl_eval_plays_the_held_out_tasks_with_the_agent(monkeypatch, tiny_mod
     import deploy.evaluate
 
     engine = LetterEngine(AutoTokenizer.from_pretrained(tiny_model))
-    monkeypatch.setattr(deploy.evaluate, "_engine", lambda cfg: engine)
+    monkeypatch.setattr(deploy.evaluate, "model_engine", lambda cfg: engine)
     args = argparse.Namespace(env=["letters"], tasks=None, episodes=6, env_url=None, policy="model", temperature=0.0)
     cfg = load_config(None, [f'model.path="{tiny_model}"', "env.name=letters",
                              f'actor.agent="{AGENT}/agent.py:rollout_tiny"'], environ={})

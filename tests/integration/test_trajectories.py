@@ -183,7 +183,7 @@ def test_a_policy_s_own_turns_as_the_mistakes_are_context_and_the_oracle_s_label
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "collect", "--env", "letters", "--episodes", "2", "--out",
                            str(tmp_path / "x.parquet"), "--mistakes", "model"], capture_output=True, text=True,
                           timeout=120)
-    assert done.returncode != 0 and "--mistakes model needs --model" in done.stderr
+    assert done.returncode != 0 and "--mistakes model needs --policy oracle, --model" in done.stderr
 
 
 def test_a_noisy_oracle_leaves_its_random_turns_out_of_the_loss(tmp_path):
