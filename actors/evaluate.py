@@ -57,8 +57,7 @@ class ServerPolicy:
                  mistakes: Policy | None = None):
         if kind not in ("oracle", "random"):
             raise ValueError(f"unknown server policy {kind!r}: oracle or random")
-        if not 0 <= noise < 1:
-            raise ValueError(f"noise must be in [0, 1), got {noise}")
+        check_noise(noise)
         self.setup, self.kind, self.noise, self.seed, self.mistakes = setup, kind, noise, seed, mistakes
 
     async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None) -> Turn:
@@ -78,6 +77,12 @@ class ServerPolicy:
         digest = hashlib.blake2b(array("q", tokens).tobytes(), digest_size=8,
                                  key=self.seed.to_bytes(8, "little", signed=True)).digest()
         return int.from_bytes(digest, "little") / 2 ** 64
+
+
+def check_noise(noise: float) -> None:
+    """ServerPolicy's `noise` is a share of the turns: in [0, 1) (1 would leave no oracle turn)."""
+    if not 0 <= noise < 1:
+        raise ValueError(f"noise must be in [0, 1), got {noise}")
 
 
 @dataclasses.dataclass

@@ -1,12 +1,13 @@
 """`omrl collect` and `omrl import-trajectories`: trajectory files for `omrl sft`.
 
 collect: an env's oracle (or random policy) plays tasks of the train split (or the test
-split, `--split test`) through the actors' episode loop (with `--noise`, a share of the
-oracle's turns are mistakes outside the loss: the env's, or `--mistakes model` the model's own
-sampled turns, so the oracle's turns label the states the model reaches: DAgger's data), with the configured action template
+split, `--split test`) through the actors' episode loop, with the configured action template
 and the model's tokenizer and chat template; the file holds the conversations and the tokens
-and loss masks the actors would have built. import-trajectories: AgentGym / OpenManus-RL
-conversation files (JSON, JSON lines) to the same parquet rows, tokenised for `--model`.
+and loss masks the actors would have built. With `--noise`, a share of the oracle's turns are
+mistakes outside the loss: the env's, or with `--mistakes model` the model's own sampled turns,
+so that the oracle's turns label the states the model reaches (DAgger's data).
+import-trajectories: AgentGym / OpenManus-RL conversation files (JSON, JSON lines) to the
+same parquet rows, tokenised for `--model`.
 """
 
 from __future__ import annotations
@@ -25,12 +26,15 @@ log = logging.getLogger("omrl.collect")
 
 
 def collect_main(args: argparse.Namespace) -> int:
+    from actors.evaluate import check_noise
     from actors.trajectories import write_episodes
 
     if args.episodes < 1:
         raise SystemExit("error: --episodes must be at least 1")
-    if not 0 <= args.noise < 1:
-        raise SystemExit(f"error: --noise must be in [0, 1), got {args.noise}")
+    try:  # here, before an engine starts
+        check_noise(args.noise)
+    except ValueError as exc:
+        raise SystemExit(f"error: --{exc}") from None
     if args.mistakes == "model" and not (args.model and args.noise > 0 and args.policy == "oracle"):
         raise SystemExit("error: --mistakes model needs --policy oracle, --model (the model that plays them) and "
                          "--noise above 0 (the share of the oracle's turns it plays)")
