@@ -9,13 +9,13 @@ DIR/control.json and DIR/control-sampled.json.
 """
 
 import json
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from common.cli import run_omrl
 from deploy.demo import evaluate_strata
 
 UPDATES, BATCH, LR = 160, 16, 2e-4  # the RL stage's term: 40 steps, 4 optimizer updates of 16 episodes each
@@ -25,10 +25,10 @@ if __name__ == "__main__":  # vLLM's engine starts processes that import this fi
     data = out / "dagger.parquet"
     epochs = UPDATES * BATCH / pq.read_metadata(data).num_rows
     t0 = time.monotonic()
-    subprocess.run(["omrl", "sft", "--config", str(out / "config.toml"), "--data", str(data), "--model",
-                    str(out / "sft"), "--out", str(out / "sft-dagger"), "--epochs", str(epochs), "--lr", str(LR),
-                    "--warmup", "0", "--batch-size", str(BATCH), "--holdout", "0", "--eval-episodes", "0",
-                    "--no-eval-start"], check=True)
+    run_omrl(["sft", "--config", str(out / "config.toml"), "--data", str(data), "--model", str(out / "sft"),
+              "--out", str(out / "sft-dagger"), "--epochs", str(epochs), "--lr", str(LR), "--warmup", "0",
+              "--batch-size", str(BATCH), "--holdout", "0", "--eval-episodes", "0", "--no-eval-start"],
+             out / "logs" / "control-sft.log")
     t1 = time.monotonic()
     depths = ["1", "2", "3", "4"]
     greedy, sampled = evaluate_strata(out, out / "sft-dagger", "textcraft",
