@@ -95,6 +95,15 @@ def check_names(cfg: Config, ctx: Context) -> str:
             raise Failed(f"env.name = {cfg.env.name!r} is not a built-in env",
                          f"choose one of {', '.join(sorted(ENVS))}, register one in a module named in run.plugins, "
                          f"or set env.url to an AgentGym server of yours")
+        if cfg.env.options:  # as the env server will make it (an env without options is made on its start)
+            from envs.base import make_env
+
+            try:
+                make_env(cfg.env.name, **cfg.env.options).close()
+            except (TypeError, ValueError) as exc:
+                raise Failed(f"env.options = {cfg.env.options!r}: {exc}",
+                             f"give env {cfg.env.name!r} only the options its class takes (docs/guides/environments.md)"
+                             ) from None
     played = (f"agent {cfg.actor.agent_name!r}" if cfg.actor.agent_name else
               f"template {cfg.actor.action_template!r}")
     return f"env {cfg.env.name!r}, {played}, rewards {', '.join(cfg.actor.rewards)}"

@@ -99,3 +99,45 @@ def test_a_craft_with_a_wrong_count_is_refused_without_the_wheels_print(capfd):
     assert env.step("get 2 acacia logs").observation == "Got 2 acacia logs"
     assert env.step("craft 4 acacia planks using 2 acacia logs").observation.startswith("Could not find a valid recipe")
     assert "Wrong Item Count" not in capfd.readouterr().out
+
+
+def test_shuffled_names_are_a_world_of_their_own_the_game_unchanged():
+    """`names = "shuffled"`: a task shows every item name under a permutation of the name words,
+    the same one in every observation and read back in every action, so the oracle, its mistakes
+    and the rewards are the game's under other names; no goal shows as a real item's name; the
+    game's own words stay; a task is the same world every time, another task another world; a
+    bad option names the field and its values."""
+    import random
+
+    from envs.base import make_env
+    from envs.textcraft import _WORD, _name_words, _renamed
+
+    real, shuffled = make_env("textcraft"), make_env("textcraft", names="shuffled")
+    real_names = {real._name(i) for i in (*real.tree.itemid_set, *real.tree.tag_set)}
+    rng, words, permutations = random.Random(1), set(_name_words()), set()
+    for task in [*range(0, 544, 17), 3 + 544, 3 + 2 * 544]:  # every depth, and variants
+        plain, seen = real.reset(task), shuffled.reset(task)
+        shown = dict(shuffled._shown)
+        assert shuffled.reset(task) == seen and shuffled._shown == shown
+        permutations.add(tuple(shown.values()))
+        # Word for word, one way each: only name words change, and some do.
+        pairs = set(zip(_WORD.findall(plain), _WORD.findall(seen), strict=True))
+        assert len({a for a, _ in pairs}) == len(pairs) == len({b for _, b in pairs})
+        assert all(a == b for a, b in pairs if a not in words) and any(a != b for a, b in pairs)
+        assert seen.startswith("Crafting commands:\ncraft ") and " using " in seen
+        goal = seen.rpartition("Goal: craft ")[2].removesuffix(".")
+        assert goal not in real_names, (task, goal)
+        # The same play in both worlds, the shuffled one through the names it shows.
+        for _turn in range(80):
+            seed = rng.random()
+            assert shuffled.oracle_action() == _renamed(real.oracle_action(), shown)
+            assert shuffled.mistake_action(random.Random(seed)) == _renamed(real.mistake_action(random.Random(seed)), shown)
+            action = real.mistake_action(random.Random(seed)) if rng.random() < 0.25 else real.oracle_action()
+            got, want = shuffled.step(_renamed(action, shown)), real.step(action)
+            assert (got.observation, got.reward, got.done) == (_renamed(want.observation, shown), want.reward, want.done)
+            if got.done:
+                break
+        assert got.info["success"], task
+    assert len(permutations) == 34
+    with pytest.raises(ValueError, match="env.options.names takes 'minecraft' or 'shuffled', got 'mixed'"):
+        make_env("textcraft", names="mixed")

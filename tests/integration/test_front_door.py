@@ -74,6 +74,11 @@ MISTAKES = {
     "env server that is not there": (["run", "--set", 'env.url="http://127.0.0.1:9/"'], {},
                                      ["cannot reach the env server at http://127.0.0.1:9/", "omrl env-server"]),
     "unknown env": (["run", "--set", 'env.name="nope"'], {}, ["env.name = 'nope' is not a built-in env", "letters"]),
+    "an option the env does not take": (["run", "--set", "env.options.turn=3"], {},
+                                        ["env.options = {'turn': 3}: LettersEnv.__init__() got an unexpected keyword "
+                                         "argument 'turn'", "only the options its class takes"]),
+    "an env option's bad value": (["run", "--set", 'env.name="textcraft"', "--set", 'env.options.names="mixed"'], {},
+                                  ["env.options.names takes 'minecraft' or 'shuffled', got 'mixed'"]),
     "context longer than the model's": (["run", "--set", "actor.max_seq_len=8192"], {},
                                         ["actor.max_seq_len = 8192", "4096 positions", "at most 4096"]),
     "run dir under a file": (["run", "--run-dir", "a-file/run"], {}, ["is not writable", "--run-dir DIR"]),
