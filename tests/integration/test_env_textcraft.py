@@ -102,17 +102,18 @@ def test_a_craft_with_a_wrong_count_is_refused_without_the_wheels_print(capfd):
 
 
 def test_shuffled_names_are_a_world_of_their_own_the_game_unchanged():
-    """`names = "shuffled"`: a task shows every item name under a permutation of the name words,
+    """`shuffle_names = 1`: a task shows every item name under a permutation of the name words,
     the same one in every observation and read back in every action, so the oracle, its mistakes
     and the rewards are the game's under other names; no goal shows as a real item's name; the
-    game's own words stay; a task is the same world every time, another task another world; a
-    bad option names the field and its values."""
+    game's own words stay; a task is the same world every time, another task another world; at a
+    share of 0.5 about half the tasks are shuffled, the others the game's own; a bad option names
+    the field and its range."""
     import random
 
     from envs.base import make_env
     from envs.textcraft import _WORD, _name_words, _renamed
 
-    real, shuffled = make_env("textcraft"), make_env("textcraft", names="shuffled")
+    real, shuffled = make_env("textcraft"), make_env("textcraft", shuffle_names=1)
     real_names = {real._name(i) for i in (*real.tree.itemid_set, *real.tree.tag_set)}
     rng, words, permutations = random.Random(1), set(_name_words()), set()
     for task in [*range(0, 544, 17), 3 + 544, 3 + 2 * 544]:  # every depth, and variants
@@ -139,5 +140,8 @@ def test_shuffled_names_are_a_world_of_their_own_the_game_unchanged():
                 break
         assert got.info["success"], task
     assert len(permutations) == 34
-    with pytest.raises(ValueError, match="env.options.names takes 'minecraft' or 'shuffled', got 'mixed'"):
-        make_env("textcraft", names="mixed")
+    half = make_env("textcraft", shuffle_names=0.5)
+    mixed = [half.reset(task) != real.reset(task) for task in range(0, 4 * 544, 7)]
+    assert 0.4 < sum(mixed) / len(mixed) < 0.6 and mixed == [half.reset(t) != real.reset(t) for t in range(0, 4 * 544, 7)]
+    with pytest.raises(ValueError, match="env.options.shuffle_names is the share of tasks .* from 0 to 1, got 2"):
+        make_env("textcraft", shuffle_names=2)

@@ -77,8 +77,8 @@ MISTAKES = {
     "an option the env does not take": (["run", "--set", "env.options.turn=3"], {},
                                         ["env.options = {'turn': 3}: LettersEnv.__init__() got an unexpected keyword "
                                          "argument 'turn'", "only the options its class takes"]),
-    "an env option's bad value": (["run", "--set", 'env.name="textcraft"', "--set", 'env.options.names="mixed"'], {},
-                                  ["env.options.names takes 'minecraft' or 'shuffled', got 'mixed'"]),
+    "an env option's bad value": (["run", "--set", 'env.name="textcraft"', "--set", "env.options.shuffle_names=2"], {},
+                                  ["env.options.shuffle_names is the share of tasks", "from 0 to 1, got 2"]),
     "context longer than the model's": (["run", "--set", "actor.max_seq_len=8192"], {},
                                         ["actor.max_seq_len = 8192", "4096 positions", "at most 4096"]),
     "run dir under a file": (["run", "--run-dir", "a-file/run"], {}, ["is not writable", "--run-dir DIR"]),

@@ -91,10 +91,18 @@ def test_each_recipe_refuses_the_others_flags(tmp_path):
         demo_mod.make_demo(args_of("babyai", "--out", str(tmp_path), "--rl-depths", "1"))
     with pytest.raises(SystemExit, match="--test-goals takes 1-543"):
         demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path), "--test-goals", "544"))
+    with pytest.raises(SystemExit, match="--sft-shuffle-names is not a flag of the babyai recipe"):
+        demo_mod.make_demo(args_of("babyai", "--out", str(tmp_path), "--sft-shuffle-names", "0.5"))
+    with pytest.raises(SystemExit, match="--rl-shuffle-names takes a share of the tasks, from 0 to 1, got 1.5"):
+        demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path), "--rl-shuffle-names", "1.5"))
     babyai = demo_mod.make_demo(args_of("babyai", "--out", str(tmp_path), "--levels", "1,4", "--rl-levels", "4",
                                         "--train-seeds", "3", "--eval-episodes", "2"))
     assert babyai.strata == {"1": ([0, 40, 80], [4_000_000, 4_000_040]), "4": ([3, 43, 83], [4_000_003, 4_000_043])}
     assert babyai.rl_strata == ["4"] and babyai.args.eval_samples == 0
+    assert babyai.shuffled("sft_shuffle_names") == []
+    textcraft = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "t"), "--sft-shuffle-names", "0.5"))
+    assert textcraft.shuffled("sft_shuffle_names") == ["env.options.shuffle_names=0.5"]
+    assert textcraft.shuffled("rl_shuffle_names") == []  # the game's names: no option at all
 
 
 def episode(success: bool):
