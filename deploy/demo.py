@@ -11,7 +11,9 @@ turn caps, the model's shape, the stages' defaults):
     3. collect    the oracle's episodes on the train split (`omrl collect`); TextCraft's with a
                   fifth of the turns mistakes (a wrong count, an early craft, a random action)
                   left out of the loss (`--collect-noise`), so they show recovering from
-                  them, over 10 variants of each train goal
+                  them, over 10 variants of each train goal; with --sft-shuffle-names SHARE
+                  that share of the tasks in worlds of their own item names (--rl-shuffle-names:
+                  the RL stage's), where no answer is known by heart, only read from the recipes
     4. sft        supervised fine-tuning on them (`omrl sft`), with a held-out success curve
     5. before     the SFT model plays each stratum's held-out tasks greedily; with
                   --eval-samples K (TextCraft: 8) also K sampled episodes a task at temperature 1:
