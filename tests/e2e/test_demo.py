@@ -61,6 +61,18 @@ def test_a_small_demo_fine_tunes_above_the_random_policy_then_runs_rl(tmp_path):
     # RL ran from the SFT model for its steps and wrote a model; the report has its plot.
     rl_books_balance(out / "rl", 3, groups=4)
     assert (out / "rl-model" / "config.json").is_file() and (out / "demo.png").is_file()
+    # --sft-shuffle-names 0.5: about half of the oracle's episodes in worlds of their own names (a goal no
+    # real item's name); --rl-shuffle-names 1: the RL stage's env server shuffled every task, and the
+    # evaluations' tasks kept the game's names.
+    from envs.textcraft import TextCraftEnv
+
+    env = TextCraftEnv()
+    real = {env._name(item) for item in (*env.tree.itemid_set, *env.tree.tag_set)}
+    goals = [r["conversations"][0]["value"].rpartition("Goal: craft ")[2].removesuffix(".")
+             for r in read_episodes(out / "oracle.parquet")]
+    assert 0.3 < sum(goal not in real for goal in goals) / len(goals) < 0.7, len(goals)
+    assert tomllib.loads((out / "rl" / "config.toml").read_text())["env"]["options"] == {"shuffle_names": 1}
+    assert "options" not in tomllib.loads((out / "config.toml").read_text())["env"]
     report = json.loads((out / "report.json").read_text())
     assert report["rl_strata"] == ["1"] and set(report["times_s"]) == set(stages)
 
@@ -94,7 +106,8 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
     # starts an engine of its own); 380 s with the dagger stage (2026-11-29, a fast machine).
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "demo", "textcraft", "--out", str(out), "--test-goals",
                            "4", "--variants", "2", "--episodes", "120", "--eval-samples", "3", "--sft-epochs", "2", "--sft-eval-episodes",
-                           "4", "--rl-steps", "2", "--rl-sft", "0.5", "--dagger", "0.5", "--set", "learner.groups_per_step=2", "--set",
+                           "4", "--rl-steps", "2", "--rl-sft", "0.5", "--dagger", "0.5", "--sft-shuffle-names", "0.5",
+                           "--rl-shuffle-names", "1", "--set", "learner.groups_per_step=2", "--set",
                            "actor.group_size=4",
                            "--set", "actor.max_turns=12"],
                           capture_output=True, text=True, timeout=patience(380))
@@ -129,3 +142,15 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
     assert tomllib.loads((out / "rl.toml").read_text())["learner"]["sft_data"] == [str((out / "dagger.parquet").resolve())]
     assert all(0 < r["learner/loss/sft"] for r in read_jsonl(out / "rl" / "metrics.jsonl"))
     assert (out / "rl-model" / "config.json").is_file() and (out / "demo.png").is_file()
+    # --sft-shuffle-names 0.5: about half of the oracle's episodes in worlds of their own names (a goal no
+    # real item's name); --rl-shuffle-names 1: the RL stage's env server shuffled every task, and the
+    # evaluations' tasks kept the game's names.
+    from envs.textcraft import TextCraftEnv
+
+    env = TextCraftEnv()
+    real = {env._name(item) for item in (*env.tree.itemid_set, *env.tree.tag_set)}
+    goals = [r["conversations"][0]["value"].rpartition("Goal: craft ")[2].removesuffix(".")
+             for r in read_episodes(out / "oracle.parquet")]
+    assert 0.3 < sum(goal not in real for goal in goals) / len(goals) < 0.7, len(goals)
+    assert tomllib.loads((out / "rl" / "config.toml").read_text())["env"]["options"] == {"shuffle_names": 1}
+    assert "options" not in tomllib.loads((out / "config.toml").read_text())["env"]
