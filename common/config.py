@@ -134,8 +134,8 @@ class EnvConfig(Section):
     num_tasks: int = Field(1000, ge=2)
     """Tasks are integers 0..num_tasks-1 (AgentGym `data_idx`), for envs whose spec does not say."""
     options: dict[str, Any] = Field(default_factory=dict)
-    """Env-specific options passed to the env constructor (letters: turns, alphabet; textcraft: names, "shuffled"
-    for worlds of their own item names); the start's checks make the env once with them."""
+    """Env-specific options passed to the env constructor (letters: turns, alphabet; textcraft: shuffle_names,
+    the share of tasks in worlds of their own item names); the start's checks make the env once with them."""
     timeout_s: float = Field(120.0, gt=0)
     """One env request may take this long; past it the episode's group fails (reason env_timeout)."""
     reuse_instances: bool = True

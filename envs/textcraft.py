@@ -33,9 +33,8 @@ With the env option `shuffle_names = S` (`--set env.options.shuffle_names=1`; de
 S of the tasks (which ones, drawn from their index) are each a world of its own names: the words
 of item names are permuted, one permutation a task, in everything the env shows and read back in
 every action, so the game, its rules and the oracle are unchanged under new names, and no goal's
-name is a real item's. What a model
-learns there cannot be a goal's answer by heart, only reading the recipes it is shown (the
-held-out goals' skill: items never crafted in training).
+name is a real item's. What a model learns there cannot be a goal's answer by heart, only reading
+the recipes it is shown (the held-out goals' skill: items never crafted in training).
 
 The oracle reads the whole recipe tree: for what the goal needs and is not in the
 inventory, it gets all base items (one `get` per item) then crafts one batch at a time,
