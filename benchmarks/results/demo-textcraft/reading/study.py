@@ -23,6 +23,7 @@ from deploy.demo import MODEL, TEXTCRAFT, interleave, textcraft_split, write_tas
 
 SHAPES = {"small": MODEL, "deep": ("--hidden", "128", "--layers", "4", "--heads", "4", "--intermediate", "384")}
 SHUFFLED = ("--set", "env.options.shuffle_names=1")
+DEMO = TEXTCRAFT.defaults  # the demo's collect noise (0.2), SFT lr (1e-3) and batch (16 episodes)
 
 
 def split(variants: int) -> dict:
@@ -55,13 +56,14 @@ def run(out: Path, shapes: list[str], variants: int, epochs: float) -> None:
     times["collect"] = omrl(out, "collect", "collect", "--config", str(out / "config.toml"), "--env", "textcraft",
                             "--tasks", str(out / "tasks" / "depth-1"), "--episodes", str(len(train)), "--out",
                             str(out / "oracle.parquet"), "--model", str(out / f"model-{shapes[0]}"), "--only-success",
-                            "--noise", "0.2", *SHUFFLED)
+                            "--noise", str(DEMO["collect_noise"]), *SHUFFLED)
     for shape in shapes:
         times[f"sft-{shape}"] = omrl(out, f"sft-{shape}", "sft", "--config", str(out / "config.toml"), "--data",
                                      str(out / "oracle.parquet"), "--model", str(out / f"model-{shape}"), "--out",
                                      str(out / f"sft-{shape}"), "--tasks", str(out / "tasks" / "depth-1"),
-                                     "--epochs", str(epochs), "--lr", "1e-3", "--batch-size", "16", "--eval-every",
-                                     str(epochs / 6), "--eval-episodes", str(len(test)), "--no-eval-start", *SHUFFLED)
+                                     "--epochs", str(epochs), "--lr", str(DEMO["sft_lr"]), "--batch-size",
+                                     str(DEMO["sft_batch_size"]), "--eval-every", str(epochs / 6), "--eval-episodes",
+                                     str(len(test)), "--no-eval-start", *SHUFFLED)
         (out / "times.json").write_text(json.dumps(times, indent=2))
     summary(out, shapes)
 
@@ -103,4 +105,6 @@ if __name__ == "__main__":
     p.add_argument("--summary", action="store_true", help="only the table, from a finished run")
     a = p.parse_args()
     shapes = a.shapes.split(",")
+    if unknown := set(shapes) - set(SHAPES):
+        p.error(f"--shapes: unknown {', '.join(sorted(unknown))}; the shapes are {', '.join(SHAPES)}")
     summary(a.out, shapes) if a.summary else run(a.out, shapes, a.variants, a.epochs)
