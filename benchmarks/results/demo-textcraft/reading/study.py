@@ -17,24 +17,24 @@ import json
 import time
 from pathlib import Path
 
-from common.cli import run_omrl
+from common.cli import override, run_omrl
 from common.config import to_toml
 from deploy.demo import MODEL, TEXTCRAFT, interleave, textcraft_split, write_tasks
 
 SHAPES = {"small": MODEL, "deep": ("--hidden", "128", "--layers", "4", "--heads", "4", "--intermediate", "384")}
-SHUFFLED = ("--set", "env.options.shuffle_names=1")
-DEMO = TEXTCRAFT.defaults  # the demo's collect noise (0.2), SFT lr (1e-3) and batch (16 episodes)
+SHUFFLED = [override("env.options.shuffle_names", 1)]  # every task a world of its own names
+DEMO = TEXTCRAFT.defaults  # the demo's split, collect noise (0.2), SFT lr (1e-3) and batch (16 episodes)
 
 
 def split(variants: int) -> dict:
-    args = argparse.Namespace(test_goals=144, split_seed=0, variants=variants, rl_depths="1,2,3,4", rl_goals=0)
-    return textcraft_split(args)[0]
+    """The demo's split (its held-out goals, split seed and RL depths), with `variants` tasks a train goal."""
+    return textcraft_split(argparse.Namespace(**{**DEMO, "variants": variants}))[0]
 
 
-def omrl(out: Path, name: str, *argv: str) -> float:
+def omrl(out: Path, name: str, *argv: str, overrides: list[str] = ()) -> float:
     """An `omrl` command, its output in OUT/NAME.log: its wall time."""
     started = time.monotonic()
-    run_omrl(list(argv), out / f"{name}.log")
+    run_omrl(list(argv), out / f"{name}.log", overrides)
     return time.monotonic() - started
 
 
@@ -56,14 +56,14 @@ def run(out: Path, shapes: list[str], variants: int, epochs: float) -> None:
     times["collect"] = omrl(out, "collect", "collect", "--config", str(out / "config.toml"), "--env", "textcraft",
                             "--tasks", str(out / "tasks" / "depth-1"), "--episodes", str(len(train)), "--out",
                             str(out / "oracle.parquet"), "--model", str(out / f"model-{shapes[0]}"), "--only-success",
-                            "--noise", str(DEMO["collect_noise"]), *SHUFFLED)
+                            "--noise", str(DEMO["collect_noise"]), overrides=SHUFFLED)
     for shape in shapes:
         times[f"sft-{shape}"] = omrl(out, f"sft-{shape}", "sft", "--config", str(out / "config.toml"), "--data",
                                      str(out / "oracle.parquet"), "--model", str(out / f"model-{shape}"), "--out",
                                      str(out / f"sft-{shape}"), "--tasks", str(out / "tasks" / "depth-1"),
                                      "--epochs", str(epochs), "--lr", str(DEMO["sft_lr"]), "--batch-size",
                                      str(DEMO["sft_batch_size"]), "--eval-every", str(epochs / 6), "--eval-episodes",
-                                     str(len(test)), "--no-eval-start", *SHUFFLED)
+                                     str(len(test)), "--no-eval-start", overrides=SHUFFLED)
         (out / "times.json").write_text(json.dumps(times, indent=2))
     summary(out, shapes)
 
