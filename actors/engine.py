@@ -14,6 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from actors.choices import EXTRA_ARG
 from common.config import ActorConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -34,9 +35,10 @@ class Engine(Protocol):
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None,
                        turn_start: int | None = None, sent: Callable[[], None] | None = None,
-                       stops: list[str] | None = None) -> Generation:
+                       stops: list[str] | None = None, choices: list[list[int]] | None = None) -> Generation:
         """One continuation; `temperature` overrides actor.temperature (0: greedy), `stops` the
-        engine's stop strings (actor.stop; [] for none). Tokens of `prompt_ids` from `turn_start`
+        engine's stop strings (actor.stop; [] for none), `choices` the token sequences it must be
+        one of (actor.constrain_actions; actors/choices.py). Tokens of `prompt_ids` from `turn_start`
         on were generated earlier in this turn (a continuation after an update): a stop sequence
         may begin among them. `sent` is called once the request is in the engine (the weight
         gate's `sent`)."""
@@ -79,6 +81,10 @@ def engine_args(model: ModelConfig, actor: ActorConfig, model_path: str, seed: i
                 tensor_parallel_size=actor.tensor_parallel_size, enable_prefix_caching=actor.enable_prefix_caching,
                 gpu_memory_utilization=actor.gpu_memory_utilization, disable_log_stats=True,
                 logprobs_mode="processed_logprobs")
+    if actor.constrain_actions:  # the mask comes after the raw logits, so its log-probs are the masked ones
+        from actors.vllm_choices import ChoiceLogitsProcessor
+
+        args["logits_processors"] = [ChoiceLogitsProcessor]
     if kv_mb is not None:
         args["kv_cache_memory_bytes"] = kv_mb * 1024 * 1024
     return args
@@ -134,6 +140,7 @@ class VLLMEngine:
         self._loads = 0  # weight loads so far: each request's cache salt, so no request reuses another version's KV
         self._kept = False  # paused with the running requests kept
         self.params = dict(temperature=actor.temperature, logprobs=0, detokenize=False)
+        self.constrains = actor.constrain_actions
         self.set_stop(actor.stop)
 
     def set_stop(self, stop: list[str]) -> None:
@@ -143,11 +150,14 @@ class VLLMEngine:
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None,
                        turn_start: int | None = None, sent: Callable[[], None] | None = None,
-                       stops: list[str] | None = None) -> Generation:
+                       stops: list[str] | None = None, choices: list[list[int]] | None = None) -> Generation:
         stops = self.stops if stops is None else check_stops(stops)
+        if choices is not None and not self.constrains:
+            raise RuntimeError("a request with choices needs an engine started with actor.constrain_actions = true")
         params = self._SamplingParams(max_tokens=max_tokens, **{
             **self.params, **({} if temperature is None else {"temperature": temperature}),
-            "output_kind": self._kinds.DELTA if stops else self._kinds.FINAL_ONLY})
+            "output_kind": self._kinds.DELTA if stops else self._kinds.FINAL_ONLY,
+            **({} if choices is None else {"extra_args": {EXTRA_ARG: choices}})})
         turn = list(prompt_ids[len(prompt_ids) if turn_start is None else turn_start:])  # this turn's tokens
         first = len(turn)  # where this request's tokens begin in it
         logprobs: list[float] = []

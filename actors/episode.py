@@ -26,6 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from actors.chat import TurnFormat, make_format
+from actors.choices import continued
 from actors.engine import Engine, Generation
 from actors.templates import INVALID_ACTION, ActionTemplate
 from actors.weights import WeightGate
@@ -75,8 +76,11 @@ class Turn:
 
 
 class Policy(Protocol):
-    async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None) -> Turn:
-        """`stops`: stop strings in place of the engine's (actor.stop); the endpoint's requests bring theirs."""
+    async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None,
+                  choices: list[list[int]] | None = None) -> Turn:
+        """`stops`: stop strings in place of the engine's (actor.stop); the endpoint's requests bring theirs.
+        `choices`: the token sequences the turn must be one of (actor.constrain_actions; the episode
+        loop passes it only then)."""
 
 
 class ModelPolicy:
@@ -88,13 +92,19 @@ class ModelPolicy:
     def __init__(self, engine: Engine, gate: WeightGate):
         self.engine, self.gate = engine, gate
 
-    async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None) -> Turn:
-        """`stops`: the request's stop strings in place of the engine's (actor.stop); None: the engine's."""
+    async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None,
+                  choices: list[list[int]] | None = None) -> Turn:
+        """`stops`: the request's stop strings in place of the engine's (actor.stop); None: the engine's.
+        `choices`: the token sequences the turn must be one of (actor.constrain_actions)."""
         ids: list[int] = []
         extra = {} if stops is None else {"stops": stops}
         logprobs: list[float] = []
         versions: list[int] = []
         while True:
+            if choices is not None:
+                extra["choices"] = continued(choices, ids)
+                if not extra["choices"]:  # an update came just as the turn completed a choice
+                    return Turn(Generation(ids, logprobs, "stop"), versions)
             async with self.gate.generating() as version:
                 applied = self.gate.applied
                 gen = await self.engine.generate(tokens + ids, budget - len(ids),
@@ -178,7 +188,9 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
                 break
             states.append(state)
             t0 = time.monotonic()
-            turn = await policy.act(buf.tokens, budget, env_id)
+            choices = ({"choices": [setup.format.agent_turn(a) for a in await env.actions(env_id)]}
+                       if cfg.constrain_actions else {})
+            turn = await policy.act(buf.tokens, budget, env_id, **choices)
             t1 = time.monotonic()
             text = setup.tokenizer.decode(turn.generation.token_ids, skip_special_tokens=True)
             action = turn.action if turn.action is not None else setup.template.parse(text)

@@ -33,8 +33,9 @@ class PinnedModelPolicy:
     def __init__(self, engine: Engine, version: int, temperature: float = 0.0):
         self.engine, self.version, self.temperature = engine, version, temperature
 
-    async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None) -> Turn:
-        extra = {} if stops is None else {"stops": stops}
+    async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None,
+                  choices: list[list[int]] | None = None) -> Turn:
+        extra = {**({} if stops is None else {"stops": stops}), **({} if choices is None else {"choices": choices})}
         return Turn(await self.engine.generate(tokens, budget, self.temperature, **extra), self.version)
 
 
@@ -60,11 +61,13 @@ class ServerPolicy:
         check_noise(noise)
         self.setup, self.kind, self.noise, self.seed, self.mistakes = setup, kind, noise, seed, mistakes
 
-    async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None) -> Turn:
+    async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None,
+                  choices: list[list[int]] | None = None) -> Turn:
         env = self.setup.env
         noisy = self.kind == "oracle" and self.noise > 0 and self._draw(tokens) < self.noise
         if noisy and self.mistakes is not None:
-            return dataclasses.replace(await self.mistakes.act(tokens, budget, env_id), trained=False)
+            extra = {} if choices is None else {"choices": choices}
+            return dataclasses.replace(await self.mistakes.act(tokens, budget, env_id, **extra), trained=False)
         if noisy:
             action = await env.mistake_action(env_id)
         else:

@@ -172,6 +172,13 @@ class ActorConfig(Section):
     """Text placed before the first observation."""
     action_template: str = "raw"
     """How the model writes an action: raw, react, tag or json (actors/templates.py)."""
+    constrain_actions: bool = False
+    """The model's turn is one of the actions the env admits now (its `/actions`, envs/base.py
+    `Env.actions`): vLLM masks every token that leaves them, so no turn is malformed or made up. The
+    learner trains the model's own distribution; the behaviour log-probs are the masked one's, so the
+    behaviour weight of learner.loss (decoupled, tis) is exp(lp - lb) = the model's share of probability on
+    the tokens the mask let through. Needs action_template "raw" and an env that lists its actions; the
+    episode loop only (not an agent's calls)."""
     chat_template: Literal["auto", "none"] = "auto"
     """auto: render turns with the tokenizer's chat template when it has one (actors/chat.py); none:
     plain text, the system text and each observation as they come."""
@@ -649,6 +656,10 @@ class Config(Section):
             raise ValueError(f"actor.agent_url must be an http(s) URL, got {self.actor.agent_url!r}")
         if self.actor.max_tokens >= self.actor.max_seq_len:
             raise ValueError("actor.max_tokens must be below actor.max_seq_len: raise max_seq_len or lower max_tokens")
+        if self.actor.constrain_actions and self.actor.action_template != "raw":
+            raise ValueError(f"actor.constrain_actions decodes the whole turn as one of the env's actions, which "
+                             f"action_template {self.actor.action_template!r} wraps in other text: set "
+                             f"actor.action_template = \"raw\" or constrain_actions = false")
         return self
 
 

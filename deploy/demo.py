@@ -214,6 +214,9 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "played by the SFT model (sampled, outside the loss; OUT/dagger.parquet, on the RL stage's "
                         "train tasks): the oracle's labels on the states the model reaches (default 0: the oracle's "
                         "own episodes)")
+    p.add_argument("--constrain-actions", action="store_true",
+                   help="every stage's model writes one of the actions the env admits now (actor.constrain_actions: "
+                        "a mask on its tokens; the evaluations too)")
     p.add_argument("--seeds", type=int, default=1, help="RL stages from the same SFT model, each with its seed and "
                                                         "its evaluation after (default 1)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
@@ -372,6 +375,11 @@ class Demo:
         if self.args.dagger:
             self.stage("dagger", self.dagger)
 
+    @property
+    def actor(self) -> dict:
+        """The recipe's actor settings, and the mask on its actions where asked for."""
+        return {**self.recipe.actor, **({"constrain_actions": True} if self.args.constrain_actions else {})}
+
     def stratum_dir(self, key: str) -> Path:
         return self.out / "tasks" / f"{self.recipe.stratum}-{key}"
 
@@ -391,7 +399,7 @@ class Demo:
                         interleave([self.strata[k][1] for k in train]))
         for key, (train, test) in self.strata.items():
             write_tasks(self.stratum_dir(key), self.env, train, test)
-        (self.out / "config.toml").write_text(to_toml({"env": {"name": self.env}, "actor": self.recipe.actor}))
+        (self.out / "config.toml").write_text(to_toml({"env": {"name": self.env}, "actor": self.actor}))
 
     def model(self) -> None:
         self.omrl("model", "init-model", str(self.out / "model0"), "--tokenizer", "word", "--env", self.env,
@@ -447,7 +455,7 @@ class Demo:
             data = self.out / ("dagger.parquet" if self.args.dagger else "oracle.parquet")
             learner.update(sft_coef=self.args.rl_sft, sft_data=[str(data.resolve())])
         config = {"env": {"name": self.env, "tasks": str(self.out / "tasks" / "rl")},
-                  "actor": {**self.recipe.actor, **RL_ACTOR}, "learner": learner}
+                  "actor": {**self.actor, **RL_ACTOR}, "learner": learner}
         (self.out / "rl.toml").write_text(to_toml(config))
         self.omrl(name, "run", "--config", str(self.out / "rl.toml"), "--model", str(self.out / "sft"), "--run-dir",
                   str(self.out / name), overrides=[*self.shuffled("rl_shuffle_names"), *self.args.overrides, *overrides])

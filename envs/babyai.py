@@ -357,6 +357,11 @@ class BabyAIEnv(Env):
         self._reset_first()
         return rng.choice(list(self.view.actions))
 
+    def actions(self) -> list[str]:
+        """The observation's list of available actions."""
+        self._reset_first()
+        return list(self.view.actions)
+
     def oracle_action(self) -> str:
         self._reset_first()
         plan = _Planner(self.env.unwrapped).plan()

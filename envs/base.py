@@ -92,6 +92,12 @@ class Env:
         action; an env whose models fail in a typical way makes that mistake instead."""
         return self.random_action(rng)
 
+    def actions(self) -> list[str]:
+        """The actions that make sense now, as the model would write them: with
+        `actor.constrain_actions` the model's turn is decoded as one of them (a mask on its
+        tokens). A superset of what the expert would do; never the answer alone."""
+        raise NotImplementedError(f"{type(self).__name__} lists no admissible actions")
+
     def close(self) -> None:
         """Free what the instance holds; called once, when the client closes it or it is reaped."""
 

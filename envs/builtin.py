@@ -63,6 +63,9 @@ class LettersEnv(Env):
     def random_action(self, rng: random.Random) -> str:
         return rng.choice(self.alphabet)
 
+    def actions(self) -> list[str]:
+        return list(self.alphabet)
+
 
 # The suite of small envs that need their observations (one module each).
 import envs.babyai  # noqa: E402,F401

@@ -170,6 +170,10 @@ class EnvClient:
         """A mistake the expert could make now (our env servers only)."""
         return (await self._request("GET", "/mistake", env_id=env_id, params={"id": str(env_id)}))["action"]
 
+    async def actions(self, env_id: int) -> list[str]:
+        """The actions the env admits now (our env servers that list them: `actor.constrain_actions`)."""
+        return (await self._request("GET", "/actions", env_id=env_id, params={"id": str(env_id)}))["actions"]
+
     async def close(self, env_id: int) -> bool:
         try:
             return bool(await self._request("POST", "/close", env_id=env_id, json={self.key: env_id}))

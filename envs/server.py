@@ -9,6 +9,7 @@
     GET  /oracle?id=          {"action": str}: an expert's next action (our envs only)
     GET  /random?id=          {"action": str}: the random baseline's next action (our envs only)
     GET  /mistake?id=         {"action": str}: a mistake the expert could make now (our envs only)
+    GET  /actions?id=         {"actions": [str]}: the admissible actions now (our envs that list them)
     POST /close               {"id"}                   -> true
 
 The extra fields of /reset and /step (`score`, `success`, ...) are the env's own, named as
@@ -248,6 +249,10 @@ class EnvServer:
         action = await self._call(self._query_id(request), "oracle", lambda env: env.oracle_action(), in_episode=True)
         return web.json_response({"action": action})
 
+    async def actions(self, request: web.Request) -> web.Response:
+        actions = await self._call(self._query_id(request), "actions", lambda env: env.actions(), in_episode=True)
+        return web.json_response({"actions": actions})
+
     async def random(self, request: web.Request) -> web.Response:
         env_id = self._query_id(request)
         rng = self._instance(env_id).rng
@@ -289,6 +294,7 @@ class EnvServer:
             web.get("/oracle", self.oracle),
             web.get("/random", self.random),
             web.get("/mistake", self.mistake),
+            web.get("/actions", self.actions),
             web.post("/close", self.close),
         ])
 

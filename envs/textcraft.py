@@ -55,6 +55,7 @@ from typing import Any
 from envs.base import Env, StepResult, register_env
 
 GOALS = 544  # craftable items of recipe depth >= 1: AgentGym's data_idx % 544
+STACK = 64  # the most one admissible `get` takes (Env.actions)
 _tree_lock = threading.Lock()
 
 
@@ -269,6 +270,27 @@ class TextCraftEnv(Env):
         made_id = made.item_tag.item_id
         self.inventory[made_id] = self.inventory.get(made_id, 0) + made.count
         return f"Crafted {made.count} {made_id}", int(made_id == self.goal)
+
+    def actions(self) -> list[str]:
+        """The admissible actions, read off the crafting commands shown: each command as a craft
+        (its tag inputs as the concrete items the oracle uses), a `get` of 1 to 64 (a stack) of
+        each base item those commands take, and `inventory`. The oracle's every action is one of
+        them but a `get` of more than a stack (9 of the 544 goals, none of depth 1)."""
+        crafts, bases = [], set()
+        for line in self.commands.splitlines():
+            count, output, inputs = re.match(r"craft ([0-9]+) (.*) using (.*)", line).groups()
+            parts = []
+            for part in inputs.split(", "):
+                n, name = re.match(r"([0-9]+) (.*)", part).groups()
+                item = self._item(name)
+                if item.item_id is None:  # a tag: the shallowest item carrying it, as the oracle crafts
+                    name = self._name(self._concrete(item))
+                parts.append(f"{n} {name}")
+                if not self.tree.is_craftable("minecraft:" + name.replace(" ", "_")):
+                    bases.add(name)
+            crafts.append(f"craft {count} {output} using {', '.join(parts)}")
+        gets = [f"get {n} {name}" for name in sorted(bases) for n in range(1, STACK + 1)]
+        return [self._show(action) for action in [*dict.fromkeys(crafts), *gets, "inventory"]]
 
     # -- baselines -------------------------------------------------------------------
     def _planned(self) -> list[str]:

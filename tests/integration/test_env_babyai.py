@@ -44,10 +44,13 @@ def test_refusals_name_the_instance(server):
     env_id = post_ok(server, "/create", {})["id"]
     first = post_ok(server, "/reset", {"id": env_id, "data_idx": 0})["observation"]
     assert first.startswith("Your goal: go to the red ball\n") and '"turn left"' in first
-    done = False
+    done, observation = False, first
     for _ in range(20):
         action = http_json("GET", f"{server}/oracle?id={env_id}")[1]["action"]
+        actions = http_json("GET", f"{server}/actions?id={env_id}")[1]["actions"]  # actor.constrain_actions'
+        assert action in actions and all(f'"{a}"' in observation for a in actions), (action, actions)
         answer = post_ok(server, "/step", {"id": env_id, "action": action})
+        observation = answer["observation"]
         if answer["done"]:
             done = True
             break

@@ -144,3 +144,44 @@ def test_shuffled_names_are_a_world_of_their_own_the_game_unchanged():
     assert 0.4 < sum(mixed) / len(mixed) < 0.6 and mixed == [half.reset(t) != real.reset(t) for t in range(0, 4 * 544, 7)]
     with pytest.raises(ValueError, match="env.options.shuffle_names is the share of tasks .* from 0 to 1, got 2"):
         make_env("textcraft", shuffle_names=2)
+
+
+def test_the_admissible_actions_hold_the_oracle_s_and_none_but_shown_names(server):
+    """`Env.actions` (actor.constrain_actions): every action the oracle takes, over every goal in
+    the game's names and in shuffled worlds, is admissible but a `get` of more than a stack; the
+    crafts are the commands shown, the gets one an input of them (a tag's as the item the oracle
+    uses for it). Served at `/actions`; an env that lists none answers 404 with a reason."""
+    from envs.base import make_env
+    from envs.textcraft import GOALS, STACK
+    from tests.servers import http_json
+
+    env, beyond = make_env("textcraft", shuffle_names=0.5), set()
+    for task in range(2 * GOALS):
+        env.reset(task)
+        lines = [line for line in env.observation().splitlines() if line.startswith("craft ")]
+        inputs = {part.split(" ", 1)[1] for line in lines for part in line.split(" using ")[1].split(", ")}
+        for _ in range(60):
+            actions, action = env.actions(), env.oracle_action()
+            crafts = [a for a in actions if a.startswith("craft ")]
+            gets = {a.split(" ", 2)[2] for a in actions if a.startswith("get ")}
+            assert {a.split(" using ")[0] for a in crafts} == {line.split(" using ")[0] for line in lines}, task
+            assert len(crafts) <= len(lines) and len(gets) <= len(inputs) and len(actions) == len(crafts) + STACK * len(gets) + 1
+            if action not in actions:
+                assert int(action.split(" ")[1]) > STACK, (task, action)
+                beyond.add(task % GOALS)
+                break
+            if env.step(action).done:
+                break
+        else:
+            raise AssertionError(f"task {task}: the oracle did not finish")
+    assert len(beyond) == 9  # the goals whose oracle gets more than a stack at once
+    env_id = post_ok(server, "/create", {})["id"]
+    first = post_ok(server, "/reset", {"id": env_id, "data_idx": 3})["observation"]
+    status, answer = http_json("GET", f"{server}/actions?id={env_id}")
+    assert status == 200 and "inventory" in answer["actions"]
+    assert {line for line in first.splitlines() if line.startswith("craft ")} <= set(answer["actions"])
+    with env_server_process("guess_number") as other:
+        other_id = post_ok(other, "/create", {})["id"]
+        post_ok(other, "/reset", {"id": other_id, "data_idx": 0})
+        status, answer = http_json("GET", f"{other}/actions?id={other_id}")
+        assert status == 404 and "lists no admissible actions" in answer["error"], answer

@@ -29,7 +29,7 @@ hypothesis = pytest.importorskip("hypothesis", reason="the test extra is not ins
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-ROUTES = ["/", "/stats", "/create", "/reset", "/step", "/observation", "/oracle", "/random", "/mistake", "/close"]
+ROUTES = ["/", "/stats", "/create", "/reset", "/step", "/observation", "/oracle", "/random", "/mistake", "/actions", "/close"]
 FIELDS = ["id", "data_idx", "action", "seed"]
 
 json_values = st.recursive(

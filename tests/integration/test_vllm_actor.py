@@ -36,8 +36,8 @@ def cfg(tiny_model):
 def engine(cfg, loop):
     from actors.engine import VLLMEngine
 
-    async def start():
-        return VLLMEngine(cfg.model, cfg.actor, cfg.model.path, seed=0)
+    async def start():  # with the choices' logits processor, which requests without choices never meet
+        return VLLMEngine(cfg.model, cfg.actor.model_copy(update={"constrain_actions": True}), cfg.model.path, seed=0)
 
     eng = loop.run_until_complete(start())
     yield eng
@@ -121,6 +121,64 @@ def test_episode_is_token_exact(engine, cfg, loop):
             # The template's end of turn ("\n") goes in as context after a turn that ended otherwise (EOS).
             suffix = "" if tok.decode(generated).endswith("\n") else "\n"
             assert text.startswith(suffix + "U: \nSay ")
+
+
+def test_a_constrained_turn_is_one_of_its_choices_with_the_masked_distribution_s_logprobs(engine, cfg, loop):
+    """actor.constrain_actions: sampled turns are one of the choices, each token's log-prob the
+    learner's model renormalised over the tokens the choices allow after its prefix (the engine
+    logs the distribution it sampled from); one choice is the only turn even greedily."""
+    from actors.choices import ChoiceTrie
+
+    model = load_causal_lm(cfg.model.path)
+    tok = engine.tokenizer
+    prompt = tok.encode("U: Say a", add_special_tokens=False)
+    choices = [tok.encode(text, add_special_tokens=False) for text in ("b\n", "bc\n", "dd\n", "cab\n")]
+    trie = ChoiceTrie(choices)
+
+    async def generate_many():
+        return await asyncio.gather(*[engine.generate(prompt, 6, choices=choices) for _ in range(24)])
+
+    gens = loop.run_until_complete(generate_many())
+    assert all(gen.token_ids in choices for gen in gens) and len({tuple(g.token_ids) for g in gens}) >= 2
+    for gen in gens:
+        with torch.no_grad():
+            logits = model(input_ids=torch.tensor([prompt + gen.token_ids])).logits[0].float()
+        for k, token in enumerate(gen.token_ids):
+            row = logits[len(prompt) + k - 1]
+            allowed = trie.allowed(gen.token_ids[:k])
+            want = (row[token] - torch.logsumexp(row[allowed], 0)).item()
+            assert gen.logprobs[k] == pytest.approx(want, abs=2e-3)
+    only = loop.run_until_complete(engine.generate(prompt, 6, temperature=0, choices=choices[3:]))
+    assert only.token_ids == choices[3] and only.finish_reason == "stop"
+    free = loop.run_until_complete(engine.generate(prompt, 6, temperature=0))  # no choices: not masked
+    assert free.token_ids != choices[3]
+
+
+def test_constrained_episodes_play_only_the_env_s_actions(engine, cfg, loop):
+    """The episode loop asks the env for its actions every turn (`/actions`) and the turn is one
+    of them as the format writes it: every action of a random model is a letter of the env."""
+    from actors.episode import EpisodeSetup, ModelPolicy, run_episode
+    from actors.templates import make_template
+
+    actor = cfg.actor.model_copy(update={"constrain_actions": True})
+
+    async def scenario():
+        port = free_port()
+        runner = await serve(EnvServer("letters", {"turns": 3, "alphabet": "xyz"}), "127.0.0.1", port)
+        try:
+            async with aiohttp.ClientSession() as session:
+                client = EnvClient(f"http://127.0.0.1:{port}", session)
+                setup = EpisodeSetup(client, engine.tokenizer, actor, make_template("raw"), "letters")
+                transcripts = [[] for _ in range(8)]
+                await asyncio.gather(*[run_episode(setup, ModelPolicy(engine, WeightGate(version=0)), task, transcripts[task])
+                                       for task in range(8)])
+                return transcripts
+        finally:
+            await runner.cleanup()
+
+    transcripts = loop.run_until_complete(scenario())
+    actions = [turn["value"] for t in transcripts for turn in t if turn["from"] == "gpt"]
+    assert len(actions) == 24 and {a.strip() for a in actions} <= set("xyz") and len(set(actions)) >= 2
 
 
 def perturbed(path: str, scale: float, seed: int):

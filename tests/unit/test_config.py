@@ -85,6 +85,12 @@ def test_cross_field_check():
         load_config(None, ["actor.max_tokens=300", "actor.max_seq_len=256"], environ={})
 
 
+def test_constrained_actions_need_the_raw_template():
+    with pytest.raises(ConfigError, match=r'actor.constrain_actions .* set actor.action_template = "raw"'):
+        load_config(None, ["actor.constrain_actions=true", "actor.action_template=react"], environ={})
+    assert load_config(None, ["actor.constrain_actions=true"], environ={}).actor.constrain_actions
+
+
 def test_the_engine_context_may_not_be_shorter_than_an_episode():
     with pytest.raises(ConfigError, match="actor.max_model_len must be at least actor.max_seq_len"):
         load_config(None, ["actor.max_seq_len=512", "actor.max_model_len=256"], environ={})
