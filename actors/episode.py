@@ -76,6 +76,9 @@ class Turn:
 
 
 class Policy(Protocol):
+    uses_choices: bool
+    """Whether its turns can take `choices`: the episode loop asks the env for its actions only then."""
+
     async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None,
                   choices: list[list[int]] | None = None) -> Turn:
         """`stops`: stop strings in place of the engine's (actor.stop); the endpoint's requests bring theirs.
@@ -88,6 +91,8 @@ class ModelPolicy:
     update interrupts (finish reason "abort") is continued on the new weights from the tokens
     it has; one an update kept running (keep mode) has its tokens after each swap labelled
     with the version that swap loaded: each token keeps the version that sampled it."""
+
+    uses_choices = True
 
     def __init__(self, engine: Engine, gate: WeightGate):
         self.engine, self.gate = engine, gate
@@ -189,7 +194,7 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
             states.append(state)
             t0 = time.monotonic()
             choices = ({"choices": [setup.format.agent_turn(a) for a in await env.actions(env_id)]}
-                       if cfg.constrain_actions else {})
+                       if cfg.constrain_actions and getattr(policy, "uses_choices", False) else {})
             turn = await policy.act(buf.tokens, budget, env_id, **choices)
             t1 = time.monotonic()
             text = setup.tokenizer.decode(turn.generation.token_ids, skip_special_tokens=True)

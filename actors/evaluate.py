@@ -30,6 +30,8 @@ class PinnedModelPolicy:
     """The engine at a fixed temperature, on the weight version the caller holds (the caller
     keeps the weight gate for the whole evaluation, so every episode runs on one version)."""
 
+    uses_choices = True
+
     def __init__(self, engine: Engine, version: int, temperature: float = 0.0):
         self.engine, self.version, self.temperature = engine, version, temperature
 
@@ -60,6 +62,7 @@ class ServerPolicy:
             raise ValueError(f"unknown server policy {kind!r}: oracle or random")
         check_noise(noise)
         self.setup, self.kind, self.noise, self.seed, self.mistakes = setup, kind, noise, seed, mistakes
+        self.uses_choices = mistakes is not None  # a model's turns among the oracle's (DAgger's data)
 
     async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None,
                   choices: list[list[int]] | None = None) -> Turn:
