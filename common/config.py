@@ -178,7 +178,8 @@ class ActorConfig(Section):
     learner trains the model's own distribution; the behaviour log-probs are the masked one's, so the
     behaviour weight of learner.loss (decoupled, tis) is exp(lp - lb) = the model's share of probability on
     the tokens the mask let through. Needs action_template "raw" and an env that lists its actions; the
-    episode loop only (not an agent's calls)."""
+    episode loop only (not an agent's calls). For evaluation and data: RL with it drifts the model's own
+    distribution onto the masked tokens (docs/concepts/episodes.md)."""
     chat_template: Literal["auto", "none"] = "auto"
     """auto: render turns with the tokenizer's chat template when it has one (actors/chat.py); none:
     plain text, the system text and each observation as they come."""
