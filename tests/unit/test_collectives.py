@@ -40,9 +40,13 @@ def test_only_the_parallel_layer_calls_collectives():
     through `parallel`, and nothing calls an `all_reduce` of theirs."""
     allowed = {"learner/distributed.py", "learner/vocab_parallel.py", "common/weight_sync.py"}
     offenders = []
-    for path in sorted(ROOT.glob("*/**/*.py")):
+    # The project's own folders only: a walk of .venv (in CI, inside the clone) allocates enough to
+    # run a full collection mid-test, which once finalized an earlier test's vLLM client and hung in
+    # its zmq context's term().
+    tops = [p for p in ROOT.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != "tests"]
+    for path in sorted(path for top in tops for path in top.rglob("*.py")):
         rel = path.relative_to(ROOT).as_posix()
-        if rel.startswith((".venv/", "tests/")) or rel in allowed:
+        if rel in allowed:
             continue
         for node in ast.walk(_parse(path.read_text(), rel)):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr in COLLECTIVES:
