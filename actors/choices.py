@@ -37,6 +37,9 @@ class ChoiceTrie:
 
 def continued(choices: list[list[int]], generated: list[int]) -> list[list[int]]:
     """The rest of each choice that begins with `generated` (the turn's tokens before an update
-    interrupted it): a continued request's choices."""
+    interrupted it): a continued request's choices; the choices themselves before any token (a
+    turn's first request, every turn: no copy)."""
+    if not generated:
+        return choices
     n = len(generated)
     return [choice[n:] for choice in choices if choice[:n] == generated and len(choice) > n]
