@@ -34,6 +34,17 @@ class ChoiceTrie:
                 return None
         return list(node) or None
 
+    def along(self, ids: list[int]) -> list[list[int]]:
+        """The tokens the mask allowed at each of `ids` (a turn decoded under it): [] once the turn
+        has left the choices or completed one, where the engine masks nothing. What the learner
+        renormalises each token's distribution over (Sample.allowed)."""
+        out: list[list[int]] = []
+        node: dict[int, dict] | None = self.root
+        for token in ids:
+            out.append(list(node) if node else [])
+            node = node.get(token) if node else None
+        return out
+
 
 def continued(choices: list[list[int]], generated: list[int]) -> list[list[int]]:
     """The rest of each choice that begins with `generated` (the turn's tokens before an update

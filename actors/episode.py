@@ -26,7 +26,7 @@ from typing import Protocol
 import numpy as np
 
 from actors.chat import TurnFormat, make_format
-from actors.choices import continued
+from actors.choices import ChoiceTrie, continued
 from actors.engine import Engine, Generation
 from actors.templates import INVALID_ACTION, ActionTemplate
 from actors.weights import WeightGate
@@ -43,16 +43,21 @@ class TokenBuffer:
         self.loss_mask: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.allowed: list[list[int]] = []  # per token: what the mask let through ([]: not masked)
 
     def add_context(self, ids: list[int]) -> None:
         self.tokens += ids
         self.loss_mask += [0] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.versions += [-1] * len(ids)
+        self.allowed += [[]] * len(ids)
 
-    def add_generated(self, ids: list[int], logprobs: list[float], version: int | list[int]) -> None:
-        """`version`: the weight version of every token, or of each (a turn an update interrupted)."""
+    def add_generated(self, ids: list[int], logprobs: list[float], version: int | list[int],
+                      allowed: list[list[int]] | None = None) -> None:
+        """`version`: the weight version of every token, or of each (a turn an update interrupted);
+        `allowed`: the tokens the mask let through at each (actor.constrain_actions), None: unmasked."""
         self.tokens += ids
+        self.allowed += allowed if allowed is not None else [[]] * len(ids)
         self.loss_mask += [1] * len(ids)
         self.logprobs += logprobs
         self.versions += version if isinstance(version, list) else [version] * len(ids)
@@ -121,6 +126,15 @@ class ModelPolicy:
             if gen.finish_reason != "abort" or len(ids) >= budget:
                 finish = "length" if gen.finish_reason == "abort" else gen.finish_reason
                 return Turn(Generation(ids, logprobs, finish), versions)
+
+
+def allowed_arrays(allowed: list[list[int]]) -> dict[str, np.ndarray]:
+    """Sample.allowed_counts and Sample.allowed from each token's allowed tokens; none where no
+    token was masked."""
+    counts = np.fromiter(map(len, allowed), np.int32, len(allowed))
+    if not counts.any():
+        return {}
+    return {"allowed_counts": counts, "allowed": np.fromiter((t for a in allowed for t in a), np.int32, int(counts.sum()))}
 
 
 def labels(version: int, swaps: list[int], swapped: list[int], n: int) -> list[int]:
@@ -196,6 +210,7 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
             choices = ({"choices": [setup.format.agent_turn(a) for a in await env.actions(env_id)]}
                        if cfg.constrain_actions and getattr(policy, "uses_choices", False) else {})
             turn = await policy.act(buf.tokens, budget, env_id, **choices)
+            allowed = ChoiceTrie(choices["choices"]).along(turn.generation.token_ids) if choices.get("choices") else None
             t1 = time.monotonic()
             text = setup.tokenizer.decode(turn.generation.token_ids, skip_special_tokens=True)
             action = turn.action if turn.action is not None else setup.template.parse(text)
@@ -211,7 +226,7 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
                 next_text = observation
                 turns.append(EpisodeTurn(text, action, observation, reward, done, dict(info)))
             if turn.trained:
-                buf.add_generated(turn.generation.token_ids, turn.generation.logprobs, turn.version)
+                buf.add_generated(turn.generation.token_ids, turn.generation.logprobs, turn.version, allowed)
             else:
                 buf.add_context(turn.generation.token_ids)
             note({"from": "gpt", "value": turn.action if turn.action is not None else text,
@@ -239,6 +254,7 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
         loss_mask=np.asarray(buf.loss_mask, np.uint8),
         logprobs=np.asarray(buf.logprobs, np.float32),
         versions=np.asarray(buf.versions, np.int32),
+        **allowed_arrays(buf.allowed),
         reward=await combine(cfg.rewards, episode, cfg.reward_timeout_s),
         turn_rewards=np.asarray(turn_rewards, np.float32),
         num_turns=len(turn_rewards),

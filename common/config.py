@@ -174,12 +174,11 @@ class ActorConfig(Section):
     """How the model writes an action: raw, react, tag or json (actors/templates.py)."""
     constrain_actions: bool = False
     """The model's turn is one of the actions the env admits now (its `/actions`, envs/base.py
-    `Env.actions`): vLLM masks every token that leaves them, so no turn is malformed or made up. The
-    learner trains the model's own distribution; the behaviour log-probs are the masked one's, so the
-    behaviour weight of learner.loss (decoupled, tis) is exp(lp - lb) = the model's share of probability on
-    the tokens the mask let through. Needs action_template "raw" and an env that lists its actions; the
-    episode loop only (not an agent's calls). For evaluation and data: RL with it drifts the model's own
-    distribution onto the masked tokens (docs/concepts/episodes.md)."""
+    `Env.actions`): vLLM masks every token that leaves them, so no turn is malformed or made up. Each
+    sample carries what the mask let through at each token (Sample.allowed) and the learner scores
+    that same masked distribution (learner/scoring.py `masked_logprobs`), as the behaviour log-probs
+    are. Needs action_template "raw", an env that lists its actions, and, with learner.parallel fsdp2
+    on several ranks, learner.vocab_parallel = false; the episode loop only (not an agent's calls)."""
     chat_template: Literal["auto", "none"] = "auto"
     """auto: render turns with the tokenizer's chat template when it has one (actors/chat.py); none:
     plain text, the system text and each observation as they come."""
@@ -661,6 +660,11 @@ class Config(Section):
             raise ValueError(f"actor.constrain_actions decodes the whole turn as one of the env's actions, which "
                              f"action_template {self.actor.action_template!r} wraps in other text: set "
                              f"actor.action_template = \"raw\" or constrain_actions = false")
+        learner = self.learner
+        if self.actor.constrain_actions and learner.ranks > 1 and learner.parallel == "fsdp2" and learner.vocab_parallel:
+            raise ValueError("actor.constrain_actions: the learner scores each masked token over its allowed tokens, "
+                             "which it does not do with the output layer split by vocabulary: set "
+                             "learner.vocab_parallel = false (or constrain_actions = false)")
         return self
 
 

@@ -31,8 +31,8 @@ import msgpack
 import numpy as np
 
 KIND_ROLLOUT_GROUP = "rollout_group"
-SCHEMA_VERSION = 6  # 2: samples carry success and invalid_actions; 3: turn_states; 4: samples as columns;
-# 5: the episode each sample is a segment of; 6: refused_turns
+SCHEMA_VERSION = 7  # 2: samples carry success and invalid_actions; 3: turn_states; 4: samples as columns;
+# 5: the episode each sample is a segment of; 6: refused_turns; 7: allowed_counts and allowed (optional columns)
 DEFAULT_MAX_BYTES = 64 * 1024 * 1024
 
 # Per-token arrays of a sample, with the dtype they travel as.
@@ -58,6 +58,7 @@ SAMPLE_TYPES: dict[str, tuple[type, ...]] = {
     "timing": (dict,),
     "episode": (int,),
 }
+ALLOWED_DTYPE = np.dtype("<i4")  # Sample.allowed_counts and Sample.allowed
 SAMPLE_LISTS = {name: frozenset(types) for name, types in SAMPLE_TYPES.items()}  # for the checks
 
 
@@ -81,6 +82,11 @@ class Sample:
     loss_mask: 1 on generated tokens, 0 on prompt and observation tokens, (T,) uint8.
     logprobs: behaviour log-prob of each generated token, 0 elsewhere, (T,) float32.
     versions: weight version that generated each token, -1 elsewhere, (T,) int32.
+    allowed_counts, allowed: the tokens the actor's mask let through at each generated token
+    (actor.constrain_actions): how many at each token, (T,) int32, 0 where nothing was masked (and
+    on every context token), and their ids, token after token, (allowed_counts.sum(),) int32. None
+    where no token was masked. The learner scores each masked token's distribution renormalised
+    over its allowed tokens, as the behaviour log-probs were.
     """
 
     tokens: np.ndarray
@@ -102,6 +108,8 @@ class Sample:
     """The turns, by index, whose action the env refused (the env spec's `refused` matched the
     observation after it), ascending; none where the env names no pattern or an agent played."""
     timing: dict[str, float] = dataclasses.field(default_factory=dict)
+    allowed_counts: np.ndarray | None = None
+    allowed: np.ndarray | None = None
     episode: int = -1
     """The episode of its group this sample is a segment of: an agent's session whose prompt stopped
     extending its tokens is cut into segments (actors/gateway.py), each a sample with its own prompt,
@@ -185,6 +193,10 @@ def encode_group(group: RolloutGroup, max_bytes: int = DEFAULT_MAX_BYTES) -> byt
             raise CodecError(f"samples[{i}]: {exc}: arrays must be 1-D") from None
         if turns != s.num_turns:
             raise CodecError(f"samples[{i}]: num_turns={s.num_turns} but {turns} turn rewards")
+        if (s.allowed_counts is None) != (s.allowed is None):
+            raise CodecError(f"samples[{i}]: allowed_counts and allowed go together (both or neither)")
+        if s.allowed_counts is not None and len(s.allowed_counts) != n:
+            raise CodecError(f"samples[{i}]: allowed_counts has {len(s.allowed_counts)} items for {n} tokens")
         lengths.append(n)
     columns: dict[str, Any] = {}
     payload = {
@@ -199,6 +211,10 @@ def encode_group(group: RolloutGroup, max_bytes: int = DEFAULT_MAX_BYTES) -> byt
         "samples": columns,
     }
     columns.update({name: _column(samples, name, dt) for name, dt in TOKEN_ARRAYS.items()})
+    if any(s.allowed is not None for s in samples):  # a masked turn somewhere: every sample's counts
+        counts = [s.allowed_counts if s.allowed is not None else np.zeros(len(s.tokens), np.int32) for s in samples]
+        columns["allowed_counts"] = _pack_array(np.concatenate(counts), ALLOWED_DTYPE)
+        columns["allowed"] = _column([s for s in samples if s.allowed is not None], "allowed", ALLOWED_DTYPE)
     columns.update({
         "turn_rewards": _column(samples, "turn_rewards", np.dtype("<f4")),
         "lengths": lengths,
@@ -269,6 +285,35 @@ def _finite(column: np.ndarray) -> bool:
     """No NaN or infinity in a float32 column: one reduction (a float64 sum of float32 values
     cannot overflow, and any NaN or infinity makes it NaN or infinite)."""
     return math.isfinite(column.sum(dtype=np.float64))
+
+
+def _allowed_columns(cols: dict[str, Any], tokens: np.ndarray, loss_mask: np.ndarray, starts: list[int]
+                     ) -> tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]:
+    """The optional allowed_counts and allowed columns, checked: a count on generated tokens only,
+    as many ids as the counts add up to, and each masked token among its own allowed ones (else
+    the learner's log-prob of it would be -inf). Their token offsets per token (T + 1,), or Nones."""
+    if "allowed_counts" not in cols and "allowed" not in cols:
+        return None, None, None
+    counts = _unpack_array(cols, "allowed_counts", ALLOWED_DTYPE)
+    allowed = _unpack_array(cols, "allowed", ALLOWED_DTYPE)
+    if len(counts) != len(tokens):
+        raise CodecError(f"samples.allowed_counts: {len(counts)} items for {len(tokens)} tokens")
+    if len(counts) and (counts.min() < 0 or (counts[loss_mask == 0] > 0).any()):
+        ok = (counts >= 0) & ((counts == 0) | (loss_mask == 1))
+        raise CodecError(f"samples[{_first_bad(ok, starts)}].allowed_counts: expected 0 or more on generated tokens "
+                         "and 0 on context tokens")
+    offsets = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+    if len(allowed) != offsets[-1]:
+        raise CodecError(f"samples.allowed: {len(allowed)} ids, the allowed_counts add up to {offsets[-1]}")
+    masked = np.flatnonzero(counts)
+    if len(masked):
+        hit = np.repeat(tokens[masked], counts[masked]) == allowed
+        found = np.add.reduceat(hit, offsets[masked]) > 0
+        if not found.all():
+            at = int(masked[np.argmin(found)])
+            raise CodecError(f"samples[{bisect.bisect_right(starts, at) - 1}].allowed: token {int(tokens[at])} at "
+                             f"position {at - starts[bisect.bisect_right(starts, at) - 1]} is not among its allowed tokens")
+    return counts, allowed, offsets
 
 
 def decode_group(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -> RolloutGroup:
@@ -342,11 +387,14 @@ def decode_group(data: bytes | memoryview, max_bytes: int = DEFAULT_MAX_BYTES) -
             raise CodecError(f"samples[{_first_bad(np.isfinite(column), at)}].{name}: "
                              "not finite (NaN or infinite values)")
 
+    counts, allowed, allowed_starts = _allowed_columns(cols, tokens, loss_mask, starts)
     samples = [
         Sample(tokens=tokens[a:b], loss_mask=loss_mask[a:b], logprobs=logprobs[a:b], versions=versions[a:b],
                reward=float(reward), turn_rewards=turn_rewards[ta:tb], num_turns=turns, finish_reason=finish,
                task_id=task, env_name=env, success=success, invalid_actions=invalid, turn_states=states,
-               refused_turns=refused, timing=timing, episode=episode)
+               refused_turns=refused, timing=timing, episode=episode,
+               **({} if counts is None else {"allowed_counts": counts[a:b],
+                                             "allowed": allowed[allowed_starts[a]:allowed_starts[b]]}))
         for a, b, ta, tb, turns, reward, success, invalid, finish, task, env, states, refused, timing, episode in zip(
             starts, starts[1:], turn_starts, turn_starts[1:], num_turns, *map(per_sample.get, (
                 "reward", "success", "invalid_actions", "finish_reason", "task_id", "env_name", "turn_states",

@@ -33,6 +33,7 @@ class Batch:
     old_values: torch.Tensor | None = None  # (N, T) the critic's values before the update
     returns: torch.Tensor | None = None  # (N, T) the critic's targets
     ref_logprobs: torch.Tensor | None = None  # (N, T) the reference policy's, for the KL penalty
+    allowed: Allowed | None = None  # what the actors' mask let through at each token (None: nothing masked)
 
     @property
     def num_trained_tokens(self) -> int:
@@ -56,7 +57,40 @@ class Batch:
                           behav_logprobs=pick(self.behav_logprobs), advantages=pick(self.advantages),
                           prox_logprobs=pick(self.prox_logprobs), old_values=pick(self.old_values),
                           returns=pick(self.returns), ref_logprobs=pick(self.ref_logprobs), refused=pick(self.refused),
-                          cpu_rows=at)
+                          cpu_rows=at, allowed=None if self.allowed is None else self.allowed.pairs(at, device))
+
+
+@dataclasses.dataclass
+class Allowed:
+    """Sample.allowed_counts and Sample.allowed of a batch: at each token (N, T) how many tokens
+    the mask let through (0: not masked) and where its ids begin in `ids`, the batch's ids."""
+
+    counts: torch.Tensor  # (N, T) long
+    starts: torch.Tensor  # (N, T) long
+    ids: torch.Tensor  # (P,) long
+
+    @staticmethod
+    def of(samples: list[Sample], T: int) -> Allowed | None:
+        if all(s.allowed is None for s in samples):
+            return None
+        counts = torch.zeros((len(samples), T), dtype=torch.long)
+        for i, s in enumerate(samples):
+            if s.allowed is not None:
+                counts[i, :len(s.tokens)] = torch.from_numpy(s.allowed_counts.astype(np.int64))
+        flat = counts.flatten()
+        starts = (torch.cumsum(flat, 0) - flat).view_as(counts)  # row-major: sample after sample, as the ids
+        ids = torch.from_numpy(np.concatenate([s.allowed for s in samples if s.allowed is not None]).astype(np.int64))
+        return Allowed(counts, starts, ids)
+
+    def pairs(self, at: tuple[torch.Tensor, torch.Tensor], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """For the scored rows `at` (indices into the (N, T) tensors): (row, id) of every allowed
+        token of each masked row, rows in order, as two (P,) tensors on `device`; none for a row
+        not masked (the scorer takes its whole vocabulary)."""
+        counts, starts = self.counts[at], self.starts[at]
+        rows = torch.repeat_interleave(torch.arange(len(counts)), counts)
+        first = torch.cumsum(counts, 0) - counts  # each row's first pair
+        index = torch.repeat_interleave(starts - first, counts) + torch.arange(len(rows))
+        return rows.to(device, non_blocking=True), self.ids[index].to(device, non_blocking=True)
 
 
 @dataclasses.dataclass
@@ -76,6 +110,7 @@ class MicroBatch:
     ref_logprobs: torch.Tensor | None  # (M,)
     refused: torch.Tensor  # (M,) the refused turn each token belongs to (0: none)
     cpu_rows: tuple[torch.Tensor, torch.Tensor]  # the rows as indices into the Batch's (N, T) tensors
+    allowed: tuple[torch.Tensor, torch.Tensor] | None = None  # (P,) row and (P,) id of each token a mask allowed
 
 
 def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0, stale: list[bool] | None = None,
@@ -157,7 +192,8 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
                                 for g in groups for _ in g.samples], dtype=torch.float32)
     stale = torch.tensor(stale if stale is not None else [False] * N, dtype=torch.bool)
     return Batch(tokens, attention, loss_mask, generated, behav, advantages, token_rewards, stale, temperature,
-                 np.concatenate([g.rewards for g in groups]), np.array(signal), len(groups), refused)
+                 np.concatenate([g.rewards for g in groups]), np.array(signal), len(groups), refused,
+                 allowed=Allowed.of(samples, T))
 
 
 def turn_spans(loss_mask: np.ndarray) -> list[tuple[int, int]]:

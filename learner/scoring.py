@@ -6,7 +6,9 @@ its backward recomputes each chunk's logits instead of keeping them. Peak memory
 head is `row_chunk * vocab_chunk` floats, whatever the batch or the vocabulary.
 
 Logits are divided by the sampling temperature of their row first, so the learner scores
-tokens under the distribution the actor sampled from (vLLM's `processed_logprobs`).
+tokens under the distribution the actor sampled from (vLLM's `processed_logprobs`). A row the
+actor's mask restricted (actor.constrain_actions: Sample.allowed) is scored over its allowed
+tokens only (`masked_logprobs`), the distribution the actor sampled it from.
 """
 
 from __future__ import annotations
@@ -124,6 +126,34 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
         return logp[mine], entropy[mine]
 
 
+def masked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
+                    pair_rows: torch.Tensor, pair_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """hidden (M, H), output weight (V, H), targets (M,), temperature (M,); each row's allowed
+    tokens as (row, id) pairs, (P,) each, every row with at least one -> log-prob of each target
+    and entropy of each row's distribution renormalised over its allowed tokens, (M,) fp32:
+    l = hidden . weight[id] / temperature; logp = l[target] - logsumexp over the row's ids. Only the
+    allowed rows of the weight are read (gathered: P * H values, and as many for the hidden
+    states); a weight split by vocabulary is refused."""
+    if isinstance(weight, DTensor):
+        raise NotImplementedError("rows masked by actor.constrain_actions are not scored with the output layer split "
+                                  "by vocabulary: set learner.vocab_parallel = false")
+    compute_dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
+        else weight.dtype
+    with torch.autocast(hidden.device.type, enabled=False):
+        logits = (hidden[pair_rows].to(compute_dtype) * weight[pair_ids].to(compute_dtype)).sum(-1).float() \
+            / temperature.float()[pair_rows]  # (P,)
+        M = len(hidden)
+        shift = torch.full((M,), -float("inf"), device=logits.device).scatter_reduce(
+            0, pair_rows, logits.detach(), "amax")  # a constant for stability: the gradient is lse's
+        total = torch.zeros(M, device=logits.device).index_add(0, pair_rows, torch.exp(logits - shift[pair_rows]))
+        lse = shift + torch.log(total)
+        p = torch.exp(logits - lse[pair_rows])
+        picked = torch.zeros(M, device=logits.device).index_add(
+            0, pair_rows, torch.where(pair_ids == targets[pair_rows], logits, 0.0))
+        mean_l = torch.zeros(M, device=logits.device).index_add(0, pair_rows, p * logits)
+        return picked - lse, lse - mean_l
+
+
 class PolicyScorer(torch.nn.Module):
     """A Hugging Face causal LM (`get_decoder()` and `get_output_embeddings()`, as Qwen2,
     Llama and most decoders have) that returns the log-prob and entropy of chosen tokens.
@@ -147,15 +177,29 @@ class PolicyScorer(torch.nn.Module):
             torch.nn.init.zeros_(self.value_head.bias)
 
     def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, rows: torch.Tensor,
-                temperature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                temperature: torch.Tensor, allowed: tuple[torch.Tensor, torch.Tensor] | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """tokens, attention_mask (N, T); rows (M, 2) of (sample, t) with t >= 1: score tokens[n, t]
-        given tokens[n, :t]; temperature (M,). Returns logp, entropy and, with a value head, the
-        value of the state before each token (else None), all (M,) fp32."""
+        given tokens[n, :t]; temperature (M,); `allowed`: (row, id) pairs of the rows a mask
+        restricted (MicroBatch.allowed), scored over those ids only. Returns logp, entropy and, with a
+        value head, the value of the state before each token (else None), all (M,) fp32."""
         hidden = self.lm.get_decoder()(input_ids=tokens, attention_mask=attention_mask).last_hidden_state  # (N, T, H)
         picked = hidden[rows[:, 0], rows[:, 1] - 1]  # (M, H): the position before each scored token
         targets = tokens[rows[:, 0], rows[:, 1]]
-        logp, entropy = head_logprobs(picked, self.lm.get_output_embeddings().weight, targets, temperature,
-                                      self.vocab_chunk)
+        weight = self.lm.get_output_embeddings().weight
+        if allowed is None or not len(allowed[0]):
+            logp, entropy = head_logprobs(picked, weight, targets, temperature, self.vocab_chunk)
+        else:  # the masked rows over their allowed tokens, the others over the vocabulary
+            pair_rows, pair_ids = allowed
+            masked = torch.zeros(len(rows), dtype=torch.bool, device=rows.device)
+            masked[pair_rows] = True
+            into = torch.cumsum(masked, 0) - 1  # each masked row's place among them
+            m_idx, u_idx = masked.nonzero()[:, 0], (~masked).nonzero()[:, 0]
+            m_logp, m_ent = masked_logprobs(picked[m_idx], weight, targets[m_idx], temperature[m_idx],
+                                            into[pair_rows], pair_ids)
+            u_logp, u_ent = head_logprobs(picked[u_idx], weight, targets[u_idx], temperature[u_idx], self.vocab_chunk)
+            order = torch.argsort(torch.cat([m_idx, u_idx]))
+            logp, entropy = torch.cat([m_logp, u_logp])[order], torch.cat([m_ent, u_ent])[order]
         values = None if self.value_head is None else self.value_head(picked).float().squeeze(-1)
         return logp, entropy, values
 

@@ -116,7 +116,7 @@ class Trainer:
     def _score(self, mb: MicroBatch, scorer: torch.nn.Module | None = None
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         with self._autocast():
-            return (scorer or self.scorer)(mb.tokens, mb.attention_mask, mb.rows, mb.temperature)  # (M,) each
+            return (scorer or self.scorer)(mb.tokens, mb.attention_mask, mb.rows, mb.temperature, mb.allowed)  # (M,) each
 
     def train_step(self, batch: Batch) -> dict[str, float]:
         cfg, rank = self.cfg, self.parallel.rank

@@ -156,12 +156,20 @@ def test_a_constrained_turn_is_one_of_its_choices_with_the_masked_distribution_s
     assert free.token_ids != choices[3]
 
 
-def test_constrained_episodes_play_only_the_env_s_actions(engine, cfg, loop):
+def test_constrained_episodes_play_only_the_env_s_actions_and_the_learner_scores_what_the_engine_sampled(
+        engine, cfg, loop, tmp_path):
     """The episode loop asks the env for its actions every turn (`/actions`) and the turn is one
-    of them as the format writes it: every action of a random model is a letter of the env."""
+    of them as the format writes it: every action of a random model is a letter of the env. Each
+    sample carries what the mask let through, and the learner's log-probs of its tokens are the
+    engine's (the masked distribution's), where the whole vocabulary's are far from them."""
     from actors.episode import EpisodeSetup, ModelPolicy, run_episode
     from actors.templates import make_template
+    from common.messages import RolloutGroup
+    from learner.batch import collate
 
+    model = load_causal_lm(cfg.model.path, "float32")
+    Trainer(model, cfg.learner).save_weights(tmp_path / "w.safetensors")
+    loop.run_until_complete(engine.load_weights(str(tmp_path / "w.safetensors")))
     actor = cfg.actor.model_copy(update={"constrain_actions": True})
 
     async def scenario():
@@ -172,15 +180,24 @@ def test_constrained_episodes_play_only_the_env_s_actions(engine, cfg, loop):
                 client = EnvClient(f"http://127.0.0.1:{port}", session)
                 setup = EpisodeSetup(client, engine.tokenizer, actor, make_template("raw"), "letters")
                 transcripts = [[] for _ in range(8)]
-                await asyncio.gather(*[run_episode(setup, ModelPolicy(engine, WeightGate(version=0)), task, transcripts[task])
-                                       for task in range(8)])
-                return transcripts
+                samples = await asyncio.gather(*[run_episode(setup, ModelPolicy(engine, WeightGate(version=0)), task,
+                                                             transcripts[task]) for task in range(8)])
+                return transcripts, samples
         finally:
             await runner.cleanup()
 
-    transcripts = loop.run_until_complete(scenario())
+    transcripts, samples = loop.run_until_complete(scenario())
     actions = [turn["value"] for t in transcripts for turn in t if turn["from"] == "gpt"]
     assert len(actions) == 24 and {a.strip() for a in actions} <= set("xyz")
+    assert all(s.allowed is not None and (s.allowed_counts[s.loss_mask == 1] > 0).any() for s in samples)
+    batch = collate([RolloutGroup("0", "letters", "test", {"temperature": actor.temperature}, samples)])
+    mb = batch.micro(list(range(len(samples))), torch.device("cpu"))
+    scorer = PolicyScorer(model)
+    with torch.no_grad():
+        masked, _, _ = scorer(mb.tokens, mb.attention_mask, mb.rows, mb.temperature, mb.allowed)
+        whole, _, _ = scorer(mb.tokens, mb.attention_mask, mb.rows, mb.temperature)
+    assert (masked - mb.behav_logprobs).abs().max().item() < 2e-3
+    assert (whole - mb.behav_logprobs).abs().max().item() > 0.5  # the check can fail: unmasked is far off
 
 
 def perturbed(path: str, scale: float, seed: int):

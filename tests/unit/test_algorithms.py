@@ -18,7 +18,7 @@ from learner.algorithms import (
     tis_loss,
     vtrace,
 )
-from learner.scoring import head_logprobs
+from learner.scoring import head_logprobs, masked_logprobs
 
 
 def np_grpo(rewards, scale=True):
@@ -192,6 +192,31 @@ def test_chunked_head_gradient_matches_autograd():
     plain = torch.autograd.grad((ref_logp * g_logp + ref_entropy * g_entropy).sum(), [h, W])
     for got, want in zip(chunked, plain):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_masked_rows_are_scored_over_their_allowed_tokens_with_the_gradient_of_the_renormalised_softmax():
+    """actor.constrain_actions: a row's log-prob and entropy are those of its distribution renormalised
+    over the tokens the mask let through (one token: log-prob 0, no gradient), at its temperature."""
+    torch.manual_seed(5)
+    H, V = 6, 40
+    sets = [[3, 5, 7], [1], [2, 9, 11, 4], [0, 39], [6, 8, 10, 12, 14]]
+    h, W = torch.randn(len(sets), H, requires_grad=True), torch.randn(V, H, requires_grad=True)
+    targets, temperature = torch.tensor([5, 1, 4, 39, 14]), torch.tensor([1.0, 0.7, 1.3, 1.0, 2.0])
+    rows = torch.tensor([r for r, ids in enumerate(sets) for _ in ids])
+    logp, entropy = masked_logprobs(h, W, targets, temperature, rows, torch.tensor([t for ids in sets for t in ids]))
+    g_logp, g_entropy = torch.randn(len(sets)), torch.randn(len(sets))
+    got = torch.autograd.grad((logp * g_logp + entropy * g_entropy).sum(), [h, W])
+    ref = [torch.log_softmax(h[r] @ W[ids].T / temperature[r], 0) for r, ids in enumerate(sets)]
+    ref_logp = torch.stack([lp[ids.index(int(targets[r]))] for r, (lp, ids) in enumerate(zip(ref, sets))])
+    ref_entropy = torch.stack([-(lp.exp() * lp).sum() for lp in ref])
+    want = torch.autograd.grad((ref_logp * g_logp + ref_entropy * g_entropy).sum(), [h, W])
+    torch.testing.assert_close(logp, ref_logp.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(entropy, ref_entropy.detach(), rtol=1e-5, atol=1e-6)
+    assert logp[1] == 0 and entropy[1] == 0
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
+    whole = head_logprobs(h.detach(), W.detach(), targets, temperature)[0]
+    assert (logp.detach() - whole > 0.1).all()  # renormalised: more than the whole vocabulary gives
 
 
 def steps_of(x, mask):

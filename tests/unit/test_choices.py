@@ -23,3 +23,12 @@ def test_a_continued_turn_keeps_the_rest_of_the_choices_it_began():
     assert continued(choices, []) == choices
     assert continued(choices, [1]) == [[2, 9], [3, 9]]
     assert continued(choices, [1, 2, 9]) == []  # done: nothing to continue
+
+
+def test_along_a_turn_each_token_has_what_the_mask_let_through_and_nothing_past_the_choices():
+    trie = ChoiceTrie([[1, 2, 9], [1, 3, 9], [4, 9], [1, 2, 5, 9]])
+    along = trie.along([1, 2, 5, 9])
+    assert [sorted(a) for a in along] == [[1, 4], [2, 3], [5, 9], [9]]
+    assert along == [trie.allowed([1, 2, 5, 9][:k]) for k in range(4)]  # the engine's rule, token by token
+    assert trie.along([4, 9, 7]) == [[1, 4], [9], []]  # a choice complete: the engine masks nothing after it
+    assert trie.along([7, 1]) == [[1, 4], []]

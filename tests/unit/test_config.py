@@ -89,6 +89,10 @@ def test_constrained_actions_need_the_raw_template():
     with pytest.raises(ConfigError, match=r'actor.constrain_actions .* set actor.action_template = "raw"'):
         load_config(None, ["actor.constrain_actions=true", "actor.action_template=react"], environ={})
     assert load_config(None, ["actor.constrain_actions=true"], environ={}).actor.constrain_actions
+    split = ["actor.constrain_actions=true", "learner.ranks=2", "learner.parallel=fsdp2"]
+    with pytest.raises(ConfigError, match="actor.constrain_actions: the learner scores .* set learner.vocab_parallel = false"):
+        load_config(None, split, environ={})
+    assert not load_config(None, [*split, "learner.vocab_parallel=false"], environ={}).learner.vocab_parallel
 
 
 def test_the_engine_context_may_not_be_shorter_than_an_episode():

@@ -161,3 +161,46 @@ def test_non_finite_numbers_are_invalid(field, value):
     with pytest.raises(CodecError, match=f"samples\\[1\\].{field}: not finite") as exc:
         decode_group(encode_group(group))
     assert exc.value.reason == "invalid"
+
+
+def masked_group() -> RolloutGroup:
+    """Samples 0 and 2 with their generated tokens masked (actor.constrain_actions), sample 1 not."""
+    group = make_group()
+    for s in group.samples[::2]:  # tokens 5, 6, 7 generated
+        s.allowed_counts = np.array([0] * 5 + [2, 1, 3], np.int32)
+        s.allowed = np.array([5, 9, 6, 1, 7, 2], np.int32)
+    return group
+
+
+def test_allowed_tokens_travel_with_their_samples():
+    out = decode_group(encode_group(masked_group()))
+    for k in (0, 2):
+        np.testing.assert_array_equal(out.samples[k].allowed_counts, [0] * 5 + [2, 1, 3])
+        np.testing.assert_array_equal(out.samples[k].allowed, [5, 9, 6, 1, 7, 2])
+    assert not out.samples[1].allowed_counts.any() and len(out.samples[1].allowed) == 0
+    plain = decode_group(encode_group(make_group()))  # nothing masked: no columns, None
+    assert all(s.allowed is None and s.allowed_counts is None for s in plain.samples)
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (lambda s: s.allowed_counts.__setitem__(2, 1), r"samples\[0\].allowed_counts: expected 0 or more on generated"),
+    (lambda s: s.allowed.__setitem__(0, 4), r"samples\[0\].allowed: token 5 at position 5 is not among"),
+    (lambda s: s.allowed.__setitem__(4, 3), r"samples\[0\].allowed: token 7 at position 7 is not among"),
+])
+def test_a_bad_allowed_set_names_its_sample(spoil, message):
+    group = masked_group()
+    spoil(group.samples[0])
+    if "counts" in message:  # a count more: one id more, so the lengths still agree
+        group.samples[0].allowed = np.concatenate([[2], group.samples[0].allowed]).astype(np.int32)
+    with pytest.raises(CodecError, match=message):
+        decode_group(encode_group(group))
+
+
+def test_allowed_ids_must_add_up_to_their_counts():
+    group = masked_group()
+    group.samples[2].allowed = group.samples[2].allowed[:-1]
+    with pytest.raises(CodecError, match="samples.allowed: 11 ids, the allowed_counts add up to 12"):
+        decode_group(encode_group(group))
+    group.samples[2].allowed = None
+    with pytest.raises(CodecError, match=r"samples\[2\]: allowed_counts and allowed go together"):
+        encode_group(group)

@@ -345,3 +345,41 @@ def test_the_supervised_terms_files_are_checked_at_the_start(tiny_model, tmp_pat
         assert words in str(failed.value)
     with pytest.raises(ValidationError, match="learner.sft_data"):
         Config.model_validate({"learner": {"sft_coef": 0.1}})
+
+
+def test_a_batch_with_masked_turns_is_scored_over_each_token_s_allowed_tokens(tiny_model):
+    """Samples carrying Sample.allowed (actor.constrain_actions) beside one without: through
+    collate and the micro-batches, each masked token is scored over its own allowed tokens, every
+    other over the vocabulary, as the full logits give them."""
+    from learner.scoring import PolicyScorer
+
+    rng = np.random.default_rng(7)
+    group = synthetic_group(rng)
+    masked = {}
+    for s in group.samples[:3]:  # the last sample unmasked
+        gen = np.flatnonzero(s.loss_mask)
+        counts = np.zeros(len(s.tokens), np.int32)
+        ids = []
+        for t in gen[:-1]:  # the last generated token of each sample not masked (a choice complete)
+            others = rng.choice([v for v in range(80) if v != s.tokens[t]], int(rng.integers(0, 5)), replace=False)
+            ids.append(np.concatenate([[s.tokens[t]], others]).astype(np.int32))
+            counts[t] = len(ids[-1])
+        s.allowed_counts, s.allowed = counts, np.concatenate(ids)
+        masked[id(s)] = dict(zip(gen[:-1].tolist(), ids))
+    batch = collate([group])
+    model = load_causal_lm(tiny_model, "float32")
+    mb = batch.micro([3, 0, 2, 1], torch.device("cpu"))
+    with torch.no_grad():
+        logp, entropy, _ = PolicyScorer(model)(mb.tokens, mb.attention_mask, mb.rows, mb.temperature, mb.allowed)
+        logits = model(input_ids=mb.tokens).logits.float()
+    order = [3, 0, 2, 1]
+    for k, (n, t) in enumerate(mb.rows.tolist()):
+        row = logits[n, t - 1]
+        ids = masked.get(id(group.samples[order[n]]), {}).get(t)
+        allowed = torch.as_tensor(ids, dtype=torch.long) if ids is not None else torch.arange(row.shape[0])
+        want = torch.log_softmax(row[allowed], 0)
+        target = int(mb.tokens[n, t])
+        assert logp[k].item() == pytest.approx(want[(allowed == target).nonzero()[0, 0]].item(), abs=1e-5)
+        assert entropy[k].item() == pytest.approx(-(want.exp() * want).sum().item(), abs=1e-5)
+    assert sum(1 for ids in (masked.get(id(group.samples[order[n]]), {}).get(t) for n, t in mb.rows.tolist())
+               if ids is not None) == 9  # 3 masked tokens in each of 3 samples
