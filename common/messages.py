@@ -310,9 +310,11 @@ def _allowed_columns(cols: dict[str, Any], tokens: np.ndarray, loss_mask: np.nda
         hit = np.repeat(tokens[masked], counts[masked]) == allowed
         found = np.add.reduceat(hit, offsets[masked]) > 0
         if not found.all():
-            at = int(masked[np.argmin(found)])
-            raise CodecError(f"samples[{bisect.bisect_right(starts, at) - 1}].allowed: token {int(tokens[at])} at "
-                             f"position {at - starts[bisect.bisect_right(starts, at) - 1]} is not among its allowed tokens")
+            ok = np.ones(len(tokens), bool)
+            ok[masked] = found
+            i, at = _first_bad(ok, starts), int(masked[np.argmin(found)])
+            raise CodecError(f"samples[{i}].allowed: token {int(tokens[at])} at position {at - starts[i]} is not "
+                             "among its allowed tokens")
     return counts, allowed, offsets
 
 
