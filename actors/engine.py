@@ -14,7 +14,7 @@ import os
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from actors.choices import EXTRA_ARG
+from actors.choices import EXTRA_ARG, Choices
 from common.config import ActorConfig, ModelConfig
 
 log = logging.getLogger(__name__)
@@ -35,7 +35,7 @@ class Engine(Protocol):
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None,
                        turn_start: int | None = None, sent: Callable[[], None] | None = None,
-                       stops: list[str] | None = None, choices: list[list[int]] | None = None) -> Generation:
+                       stops: list[str] | None = None, choices: Choices | None = None) -> Generation:
         """One continuation; `temperature` overrides actor.temperature (0: greedy), `stops` the
         engine's stop strings (actor.stop; [] for none), `choices` the token sequences it must be
         one of (actor.constrain_actions; actors/choices.py). Tokens of `prompt_ids` from `turn_start`
@@ -150,14 +150,14 @@ class VLLMEngine:
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None,
                        turn_start: int | None = None, sent: Callable[[], None] | None = None,
-                       stops: list[str] | None = None, choices: list[list[int]] | None = None) -> Generation:
+                       stops: list[str] | None = None, choices: Choices | None = None) -> Generation:
         stops = self.stops if stops is None else check_stops(stops)
         if choices is not None and not self.constrains:
             raise RuntimeError("a request with choices needs an engine started with actor.constrain_actions = true")
         params = self._SamplingParams(max_tokens=max_tokens, **{
             **self.params, **({} if temperature is None else {"temperature": temperature}),
             "output_kind": self._kinds.DELTA if stops else self._kinds.FINAL_ONLY,
-            **({} if choices is None else {"extra_args": {EXTRA_ARG: choices}})})
+            **({} if choices is None else {"extra_args": {EXTRA_ARG: choices.to_bytes()}})})
         turn = list(prompt_ids[len(prompt_ids) if turn_start is None else turn_start:])  # this turn's tokens
         first = len(turn)  # where this request's tokens begin in it
         logprobs: list[float] = []

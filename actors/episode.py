@@ -19,14 +19,16 @@ fails the episode's whole group.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import time
+from collections.abc import Callable
 from typing import Protocol
 
 import numpy as np
 
 from actors.chat import TurnFormat, make_format
-from actors.choices import ChoiceTrie, continued
+from actors.choices import Choices
 from actors.engine import Engine, Generation
 from actors.templates import INVALID_ACTION, ActionTemplate
 from actors.weights import WeightGate
@@ -85,7 +87,7 @@ class Policy(Protocol):
     """Whether its turns can take `choices`: the episode loop asks the env for its actions only then."""
 
     async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None,
-                  choices: list[list[int]] | None = None) -> Turn:
+                  choices: Choices | None = None) -> Turn:
         """`stops`: stop strings in place of the engine's (actor.stop); the endpoint's requests bring theirs.
         `choices`: the token sequences the turn must be one of (actor.constrain_actions; the episode
         loop passes it only then)."""
@@ -103,7 +105,7 @@ class ModelPolicy:
         self.engine, self.gate = engine, gate
 
     async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None,
-                  choices: list[list[int]] | None = None) -> Turn:
+                  choices: Choices | None = None) -> Turn:
         """`stops`: the request's stop strings in place of the engine's (actor.stop); None: the engine's.
         `choices`: the token sequences the turn must be one of (actor.constrain_actions)."""
         ids: list[int] = []
@@ -112,8 +114,8 @@ class ModelPolicy:
         versions: list[int] = []
         while True:
             if choices is not None:
-                extra["choices"] = continued(choices, ids)
-                if not extra["choices"]:  # an update came just as the turn completed a choice
+                extra["choices"] = choices.continued(ids)
+                if extra["choices"] is None:  # an update came just as the turn completed a choice
                     return Turn(Generation(ids, logprobs, "stop"), versions)
             async with self.gate.generating() as version:
                 applied = self.gate.applied
@@ -159,9 +161,18 @@ class EpisodeSetup:
     """Each task's other task-file columns, which reward functions see (envs.tasks.task_data)."""
     format: TurnFormat = dataclasses.field(init=False)
     """How turns become context tokens: chosen once from actor.chat_template and the tokenizer."""
+    choices: Callable[[tuple[str, ...]], Choices] = dataclasses.field(init=False, repr=False)
+    """The actions an env admits as the turns the model may write (actor.constrain_actions)."""
 
     def __post_init__(self) -> None:
         self.format = make_format(self.tokenizer, self.cfg.chat_template, self.cfg.stop)
+        # An env admits the same actions turn after turn (TextCraft's hundreds, each episode's
+        # every turn): each list is tokenized once, not every turn.
+        self.choices = functools.lru_cache(maxsize=256)(self._choices)
+
+    def _choices(self, actions: tuple[str, ...]) -> Choices:
+        """The actions the env admits, as the model writes them: each as a turn (its end included)."""
+        return Choices.of([self.format.agent_turn(a) for a in actions])
 
     @property
     def system(self) -> str:
@@ -207,10 +218,11 @@ async def run_episode(setup: EpisodeSetup, policy: Policy, task_idx: int,
                 break
             states.append(state)
             t0 = time.monotonic()
-            choices = ({"choices": [setup.format.agent_turn(a) for a in await env.actions(env_id)]}
-                       if cfg.constrain_actions and getattr(policy, "uses_choices", False) else {})
+            actions = (tuple(await env.actions(env_id))
+                       if cfg.constrain_actions and getattr(policy, "uses_choices", False) else ())
+            choices = {"choices": setup.choices(actions)} if actions else {}
             turn = await policy.act(buf.tokens, budget, env_id, **choices)
-            allowed = ChoiceTrie(choices["choices"]).along(turn.generation.token_ids) if choices.get("choices") else None
+            allowed = choices["choices"].along(turn.generation.token_ids) if choices else None
             t1 = time.monotonic()
             text = setup.tokenizer.decode(turn.generation.token_ids, skip_special_tokens=True)
             action = turn.action if turn.action is not None else setup.template.parse(text)

@@ -18,6 +18,7 @@ import math
 from array import array
 from collections.abc import Awaitable, Callable, Sequence
 
+from actors.choices import Choices
 from actors.engine import Engine, Generation
 from actors.episode import EpisodeSetup, Policy, Turn, run_episode
 from common.messages import Sample
@@ -36,7 +37,7 @@ class PinnedModelPolicy:
         self.engine, self.version, self.temperature = engine, version, temperature
 
     async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None,
-                  choices: list[list[int]] | None = None) -> Turn:
+                  choices: Choices | None = None) -> Turn:
         extra = {**({} if stops is None else {"stops": stops}), **({} if choices is None else {"choices": choices})}
         return Turn(await self.engine.generate(tokens, budget, self.temperature, **extra), self.version)
 
@@ -65,7 +66,7 @@ class ServerPolicy:
         self.uses_choices = mistakes is not None  # a model's turns among the oracle's (DAgger's data)
 
     async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None,
-                  choices: list[list[int]] | None = None) -> Turn:
+                  choices: Choices | None = None) -> Turn:
         env = self.setup.env
         noisy = self.kind == "oracle" and self.noise > 0 and self._draw(tokens) < self.noise
         if noisy and self.mistakes is not None:

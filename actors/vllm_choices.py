@@ -4,10 +4,11 @@ choices in its `extra_args` to the tokens that keep its output on one of them.""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
 
-from actors.choices import EXTRA_ARG, ChoiceTrie
+from actors.choices import EXTRA_ARG, Choices
 
 
 class ChoiceLogitsProcessor(AdapterLogitsProcessor):
@@ -15,16 +16,16 @@ class ChoiceLogitsProcessor(AdapterLogitsProcessor):
         return False  # greedy decoding is masked too
 
     def new_req_logits_processor(self, params):
-        choices = (params.extra_args or {}).get(EXTRA_ARG)
-        if not choices:
+        blob = (params.extra_args or {}).get(EXTRA_ARG)
+        if not blob:
             return None
-        trie = ChoiceTrie(choices)
+        cursor = Choices.from_bytes(blob).cursor()  # narrowed one token a step
 
         def mask(output_ids: list[int], logits: torch.Tensor) -> torch.Tensor:
-            allowed = trie.allowed(output_ids)
+            allowed = cursor.allowed(output_ids)
             if allowed is None:
                 return logits
-            index = torch.tensor(allowed, device=logits.device)
+            index = torch.from_numpy(allowed.astype(np.int64)).to(logits.device)
             masked = torch.full_like(logits, float("-inf"))
             masked[index] = logits[index]
             return masked

@@ -127,33 +127,33 @@ def test_a_constrained_turn_is_one_of_its_choices_with_the_masked_distribution_s
     """actor.constrain_actions: sampled turns are one of the choices, each token's log-prob the
     learner's model renormalised over the tokens the choices allow after its prefix (the engine
     logs the distribution it sampled from); one choice is the only turn even greedily."""
-    from actors.choices import ChoiceTrie
+    from actors.choices import Choices
 
     model = load_causal_lm(cfg.model.path)
     Trainer(model, cfg.learner).save_weights(tmp_path / "w.safetensors")
     loop.run_until_complete(engine.load_weights(str(tmp_path / "w.safetensors")))  # earlier tests load others
     tok = engine.tokenizer
     prompt = tok.encode("U: Say a", add_special_tokens=False)
-    choices = [tok.encode(text, add_special_tokens=False) for text in ("b\n", "bc\n", "dd\n", "cab\n")]
-    trie = ChoiceTrie(choices)
+    sequences = [tok.encode(text, add_special_tokens=False) for text in ("b\n", "bc\n", "dd\n", "cab\n")]
+    choices = Choices.of(sequences)
 
     async def generate_many():
         return await asyncio.gather(*[engine.generate(prompt, 6, choices=choices) for _ in range(24)])
 
     gens = loop.run_until_complete(generate_many())
-    assert all(gen.token_ids in choices for gen in gens) and len({tuple(g.token_ids) for g in gens}) >= 2
+    assert all(gen.token_ids in sequences for gen in gens) and len({tuple(g.token_ids) for g in gens}) >= 2
     for gen in gens:
         with torch.no_grad():
             logits = model(input_ids=torch.tensor([prompt + gen.token_ids])).logits[0].float()
         for k, token in enumerate(gen.token_ids):
             row = logits[len(prompt) + k - 1]
-            allowed = trie.allowed(gen.token_ids[:k])
+            allowed = choices.allowed(gen.token_ids[:k])
             want = (row[token] - torch.logsumexp(row[allowed], 0)).item()
             assert gen.logprobs[k] == pytest.approx(want, abs=2e-3)
-    only = loop.run_until_complete(engine.generate(prompt, 6, temperature=0, choices=choices[3:]))
-    assert only.token_ids == choices[3] and only.finish_reason == "stop"
+    only = loop.run_until_complete(engine.generate(prompt, 6, temperature=0, choices=Choices.of(sequences[3:])))
+    assert only.token_ids == sequences[3] and only.finish_reason == "stop"
     free = loop.run_until_complete(engine.generate(prompt, 6, temperature=0))  # no choices: not masked
-    assert free.token_ids != choices[3]
+    assert free.token_ids != sequences[3]
 
 
 def test_constrained_episodes_play_only_the_env_s_actions_and_the_learner_scores_what_the_engine_sampled(
