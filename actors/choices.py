@@ -6,8 +6,8 @@ every token that would leave those sequences: the model's own distribution, reno
 the tokens that keep the turn on one of them. `Choices` is that rule; in vLLM,
 `actors.vllm_choices.ChoiceLogitsProcessor` applies it to each request that carries choices.
 
-The sequences are one array, a row each, padded past its end: a TextCraft turn admits 300-700
-actions (a `get` of 1 to 64 of each base item), some 3,000 tokens. Narrowing the rows token by
+The sequences are one array, a row each, padded past its end: a TextCraft turn admits 66-1,187
+actions (a `get` of 1 to 64 of each base item; 334 for the median goal), up to 6,000 tokens. Narrowing the rows token by
 token is a few array operations; a prefix tree of dicts built for every request, and the choices
 sent as nested lists (which vLLM walks int by int in each of its three processes), took most of
 a masked evaluation's time (docs/results/textcraft-demo.md, section 21). Requests carry them as
