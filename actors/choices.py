@@ -95,7 +95,8 @@ class Cursor:
         self.table, self.live, self.depth = rows, np.arange(len(rows)), 0
 
     def allowed(self, prefix: list[int]) -> np.ndarray | None:
-        """As `Choices.allowed`; a prefix that does not extend the last one starts over."""
+        """As `Choices.allowed`, for a prefix that extends the one before (as a request's output does,
+        token by token); a shorter one starts over."""
         if len(prefix) < self.depth:
             self.live, self.depth = np.arange(len(self.table)), 0
         width = self.table.shape[1]
