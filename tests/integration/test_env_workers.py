@@ -171,12 +171,12 @@ def test_a_hung_worker_is_killed_and_started_again_within_hang_s(seed):
             at, created = time.monotonic(), []
             # Through worker 0's own port meanwhile: a connection the kernel hands the stopped worker on
             # the shared port waits in its queue until the kill resets it (SO_REUSEPORT; envs/workers.py).
-            first = EnvClient(f"http://127.0.0.1:{own}", session)
+            worker0 = EnvClient(f"http://127.0.0.1:{own}", session)
             while time.monotonic() - at < 20:
                 worker = (await stats(session, own))["workers"][1]
                 if worker["up"] and worker["pid"] != stopped:
                     break
-                created.append(await first.create())  # worker 0 serves on
+                created.append(await worker0.create())  # worker 0 serves on
             back = time.monotonic() - at
             assert worker["up"] and worker["pid"] != stopped, worker
             assert created and created[0] % 2 == 0, created
