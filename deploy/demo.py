@@ -394,12 +394,21 @@ class Demo:
     def tasks(self) -> None:
         # Interleaved: `omrl collect --episodes N` plays the first N train tasks and SFT's curve
         # the first held-out ones, so every prefix holds each stratum in proportion.
-        for name, train in (("all", {k: tr for k, (tr, _te) in self.strata.items()}), ("rl", self.rl_train)):
-            write_tasks(self.out / "tasks" / name, self.env, interleave(list(train.values())),
-                        interleave([self.strata[k][1] for k in train]))
+        self.write_pooled("all", {k: tr for k, (tr, _te) in self.strata.items()})
         for key, (train, test) in self.strata.items():
             write_tasks(self.stratum_dir(key), self.env, train, test)
         (self.out / "config.toml").write_text(to_toml({"env": {"name": self.env}, "actor": self.actor}))
+
+    def write_pooled(self, name: str, train: dict[str, list[int]]) -> Path:
+        """OUT/tasks/NAME: the strata's train tasks given and their held-out ones, interleaved."""
+        write_tasks(self.out / "tasks" / name, self.env, interleave(list(train.values())),
+                    interleave([self.strata[k][1] for k in train]))
+        return self.out / "tasks" / name
+
+    def rl_tasks(self) -> Path:
+        """OUT/tasks/rl, the RL strata's tasks, written by the stage that plays them (not the tasks
+        stage): a demo resumed with other --rl-depths/--rl-levels plays its own."""
+        return self.write_pooled("rl", self.rl_train)
 
     def model(self) -> None:
         self.omrl("model", "init-model", str(self.out / "model0"), "--tokenizer", "word", "--env", self.env,
@@ -418,7 +427,7 @@ class Demo:
         one too)."""
         episodes = self.args.episodes or sum(len(train) for train in self.rl_train.values())
         self.omrl("dagger", "collect", "--config", str(self.out / "config.toml"), "--env", self.env,
-                  "--tasks", str(self.out / "tasks" / "rl"), "--episodes", str(episodes), "--out",
+                  "--tasks", str(self.rl_tasks()), "--episodes", str(episodes), "--out",
                   str(self.out / "dagger.parquet"), "--model", str(self.out / "sft"), "--mistakes", "model",
                   "--noise", str(self.args.dagger))
 
@@ -454,7 +463,7 @@ class Demo:
         if self.args.rl_sft:
             data = self.out / ("dagger.parquet" if self.args.dagger else "oracle.parquet")
             learner.update(sft_coef=self.args.rl_sft, sft_data=[str(data.resolve())])
-        config = {"env": {"name": self.env, "tasks": str(self.out / "tasks" / "rl")},
+        config = {"env": {"name": self.env, "tasks": str(self.rl_tasks())},
                   "actor": {**self.actor, **RL_ACTOR}, "learner": learner}
         (self.out / "rl.toml").write_text(to_toml(config))
         self.omrl(name, "run", "--config", str(self.out / "rl.toml"), "--model", str(self.out / "sft"), "--run-dir",

@@ -73,7 +73,7 @@ def test_textcraft_rl_goals_are_train_goals_sft_never_sees(tmp_path):
     assert all(demo.strata[k] == plain.strata[k] for k in ("2", "3", "4"))
     demo.tasks()
     sft_tasks = read_tasks(tmp_path / "b" / "tasks" / "all" / "train.parquet", "textcraft")
-    rl_tasks = read_tasks(tmp_path / "b" / "tasks" / "rl" / "train.parquet", "textcraft")
+    rl_tasks = read_tasks(demo.rl_tasks() / "train.parquet", "textcraft")
     assert not goals(sft_tasks) & rl and goals(rl_tasks) == rl
     with pytest.raises(SystemExit, match="--rl-goals takes 0-91"):
         demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path / "c"), "--rl-depths", "1", "--rl-goals", "92"))
@@ -216,5 +216,20 @@ def test_the_pooled_task_files_interleave_the_strata_so_every_prefix_holds_each(
     assert [t % 40 + 1 for t in train[:6]] == [1, 4, 5, 1, 4, 5] and sorted(train) == sorted(
         t for tr, _te in demo.strata.values() for t in tr)
     assert [t % 40 + 1 for t in test[:3]] == [1, 4, 5] and len(test) == 18
-    rl = read_tasks(tmp_path / "tasks" / "rl" / "train.parquet", "babyai")
+    rl = read_tasks(demo.rl_tasks() / "train.parquet", "babyai")
     assert [t % 40 + 1 for t in rl[:4]] == [1, 5, 1, 5] and len(rl) == 60
+
+
+def test_a_demo_resumed_with_other_rl_depths_plays_them(tmp_path):
+    """The stages before RL are done once; a later invocation with other --rl-depths (on a copy of
+    the output, or the same) writes and plays its own RL tasks, not the first one's."""
+    from envs.textcraft import GOALS
+
+    first = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path), "--rl-depths", "1"))
+    first.tasks()
+    assert {t % GOALS for t in read_tasks(first.rl_tasks() / "train.parquet", "textcraft")} == {
+        t % GOALS for t in first.strata["1"][0]}
+    again = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path), "--rl-depths", "1,2"))
+    assert again.strata == first.strata  # what SFT trained on is the same
+    rl = read_tasks(again.rl_tasks() / "train.parquet", "textcraft")
+    assert sorted(rl) == sorted(first.strata["1"][0] + first.strata["2"][0])
