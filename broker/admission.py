@@ -23,7 +23,7 @@ in exactly one way, each counted in the run's `counts` hash:
   its room was handed out again meanwhile, so such a late commit takes the count past the
   bound by its group until the learner catches up (the learner still checks each group's
   staleness). A heartbeat well inside `ticket_ttl_s` keeps live actors' tickets from this.
-The learner takes a dead-lettered group out of `accepted` (its ticket comes back) and,
+The learner takes a dead-lettered or filtered group out of `accepted` (its ticket comes back) and,
 at each publication, floors `accepted` to the groups it has trained on, so a Redis that
 lost its data cannot let actors run ahead.
 
@@ -186,14 +186,17 @@ async def announce_step(client, keys: Keys, step: int, version: int, trained_gro
 
 async def group_counts(client, keys: Keys) -> dict[str, Any]:
     """The run's accounting: started = produced + failed + held; produced = trained +
-    dead-lettered + waiting in the streams (the learner's share is in `learner_state`)."""
+    dead-lettered + filtered (learner.filter_groups) + waiting in the streams (the learner's
+    share is in `learner_state`)."""
     raw = {k.decode(): int(v) for k, v in (await client.hgetall(keys.counts)).items()}
-    failed = {k.split(":", 1)[1]: v for k, v in raw.items() if k.startswith("failed:") and v}
-    dead = {k.split(":", 1)[1]: v for k, v in raw.items() if k.startswith("dead:") and v}
+
+    def by_reason(prefix: str) -> dict[str, int]:
+        return dict(sorted((k.split(":", 1)[1], v) for k, v in raw.items() if k.startswith(prefix + ":") and v))
+
     accepted = await client.get(keys.tickets_accepted)
-    return {"started": raw.get("started", 0), "produced": raw.get("produced", 0), "failed": dict(sorted(failed.items())),
-            "dead_lettered": dict(sorted(dead.items())), "held": int(await client.zcard(keys.tickets_held)),
-            "accepted": int(accepted) if accepted else 0}
+    return {"started": raw.get("started", 0), "produced": raw.get("produced", 0), "failed": by_reason("failed"),
+            "dead_lettered": by_reason("dead"), "filtered": by_reason("filtered"),
+            "held": int(await client.zcard(keys.tickets_held)), "accepted": int(accepted) if accepted else 0}
 
 
 class Admission:

@@ -43,15 +43,16 @@ async def run_status(client, keys: Keys, dead_after_s: float) -> dict[str, Any]:
 
 def accounting(counts: dict[str, Any], learner: dict[str, Any] | None, streams: list[dict[str, Any]]) -> dict[str, Any]:
     """Every group started is produced, failed with a reason, or still running; every group
-    produced is trained (and acknowledged), dead-lettered, or waiting in a stream (groups
-    trained since the last checkpoint are still there). `unaccounted` is what the second
-    sum misses: 0 unless Redis lost data, or copies a retried XADD wrote are waiting (or,
-    while the learner runs, for the moment between an acknowledgement and its count)."""
+    produced is trained (and acknowledged), dead-lettered, filtered untrained (learner.filter_groups),
+    or waiting in a stream (groups trained since the last checkpoint are still there).
+    `unaccounted` is what the second sum misses: 0 unless Redis lost data, or copies a retried
+    XADD wrote are waiting (or, while the learner runs, for the moment between an
+    acknowledgement and its count)."""
     trained = learner["groups_committed"] if learner else 0
     waiting = sum(s["length"] for s in streams)
-    dead = sum(counts["dead_lettered"].values())
+    dead, filtered = sum(counts["dead_lettered"].values()), sum(counts["filtered"].values())
     return {**counts, "trained": trained, "waiting": waiting,
-            "unaccounted": counts["produced"] - trained - dead - waiting}
+            "unaccounted": counts["produced"] - trained - dead - filtered - waiting}
 
 
 def format_accounting(groups: dict[str, Any]) -> str:
@@ -61,7 +62,10 @@ def format_accounting(groups: dict[str, Any]) -> str:
     failed, dead = groups["failed"], groups["dead_lettered"]
     text = (f"groups: {groups['started']} started = {groups['produced']} produced + {sum(failed.values())} failed"
             f"{reasons(failed)} + {groups['held']} running; produced = {groups['trained']} trained + "
-            f"{sum(dead.values())} dead-lettered{reasons(dead)} + {groups['waiting']} waiting in the streams")
+            f"{sum(dead.values())} dead-lettered{reasons(dead)} + "
+            + (f"{sum(groups['filtered'].values())} filtered{reasons(groups['filtered'])} + " if groups["filtered"]
+               else "")
+            + f"{groups['waiting']} waiting in the streams")
     if groups["unaccounted"]:
         text += f" ({groups['unaccounted']:+d} unaccounted: copies waiting, or Redis lost data)"
     return text

@@ -151,13 +151,18 @@ return 1
 """
 
 # KEYS: stream, dead letters, counts, accepted, the stream's doorbell. ARGV: group, entry id,
-# max_len, reason, detail, stream name, data, the stream's max_len. All keys but the stream's
-# carry the run's hash tag (one slot with one stream, so one script on a cluster too).
+# max_len, reason, detail, stream name, data, the stream's max_len, kept ("1": into the dead
+# letters, counted dead:REASON; "0": filtered, counted filtered:REASON only). All keys but the
+# stream's carry the run's hash tag (one slot with one stream, so one script on a cluster too).
 _DEAD_LETTER_LUA = _ROOM_FN + """
 if redis.call('XACK', KEYS[1], ARGV[1], ARGV[2]) == 1 then
-  redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'reason', ARGV[4], 'detail', ARGV[5],
-             'stream', ARGV[6], 'entry', ARGV[2], 'data', ARGV[7])
-  redis.call('HINCRBY', KEYS[3], 'dead:' .. ARGV[4], 1)
+  if ARGV[9] == '1' then
+    redis.call('XADD', KEYS[2], 'MAXLEN', '~', ARGV[3], '*', 'reason', ARGV[4], 'detail', ARGV[5],
+               'stream', ARGV[6], 'entry', ARGV[2], 'data', ARGV[7])
+    redis.call('HINCRBY', KEYS[3], 'dead:' .. ARGV[4], 1)
+  else
+    redis.call('HINCRBY', KEYS[3], 'filtered:' .. ARGV[4], 1)
+  end
   redis.call('DECR', KEYS[4])
 end
 redis.call('XDEL', KEYS[1], ARGV[2])
@@ -233,10 +238,19 @@ class RolloutConsumer:
         Redis killed in the middle, or a retry after a lost reply, never moves it twice (an
         entry no longer pending was moved already)."""
         log.warning("dead letter %s %s: %s %s", self.stream, entry_id, reason, detail)
+        await self._set_aside(entry_id, reason, detail[:1000], data or b"", max_len, kept=True)
+
+    async def filter(self, entry_id: str, reason: str) -> None:
+        """Take an entry out untrained for `reason` (learner.filter_groups: no signal): counted as
+        filtered, its admission ticket given back and acknowledged, as a dead letter is, but
+        not kept. One script, so a retry never counts it twice."""
+        await self._set_aside(entry_id, reason, "", b"", 0, kept=False)
+
+    async def _set_aside(self, entry_id: str, reason: str, detail: str, data: bytes, max_len: int, kept: bool) -> None:
         keys = [self.stream, self.keys.dead_letters, self.keys.counts, self.keys.tickets_accepted,
                 self.keys.space_doorbell(self.shard)]
-        await self.client.eval(_DEAD_LETTER_LUA, len(keys), *keys, self.group, entry_id, max_len, reason,
-                               detail[:1000], self.stream, data or b"", self.max_len)
+        await self.client.eval(_DEAD_LETTER_LUA, len(keys), *keys, self.group, entry_id, max_len, reason, detail,
+                               self.stream, data, self.max_len, "1" if kept else "0")
 
     async def claim_idle(self, min_idle_ms: int, held: Container[str] = (), count: int = 100) -> list[Entry]:
         """Claim entries pending longer than `min_idle_ms` that nobody is working on: those of

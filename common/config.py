@@ -265,6 +265,13 @@ class LearnerConfig(Section):
     """Optimizer steps to run, then exit."""
     groups_per_step: int = Field(8, ge=1)
     """B: groups in one optimizer step."""
+    filter_groups: bool = False
+    """DAPO's dynamic sampling: a group without signal (every episode's reward alike, so a
+    group-relative estimator gives it no advantage) is acknowledged untrained and counted as
+    `filtered:no_signal` (`omrl status`); its admission ticket comes back, so the actors play
+    another in its place and every step trains B groups with signal. false: such groups fill
+    the step's B and train nothing. Not with ppo or reinforce (every group of theirs carries
+    signal)."""
     lr: float = Field(2.5e-4, gt=0)
     """AdamW learning rate (the tiny model's: a quarter of one update's 1e-3, as each batch gets
     `minibatches` updates; issue 26's study)."""
@@ -624,6 +631,11 @@ class Config(Section):
             raise ValueError(f"learner.refused_reward = {lcfg.refused_reward:g} is a turn reward of gigpo's step "
                              f"returns, not of {lcfg.algorithm}: set learner.algorithm = \"gigpo\" or "
                              f"learner.refused_reward = 0")
+        if lcfg.filter_groups and lcfg.algorithm in ("ppo", "reinforce"):
+            raise ValueError(f"learner.filter_groups drops the groups a group-relative estimator gives no "
+                             f"advantage, and every group of {lcfg.algorithm} carries one: set "
+                             f"learner.filter_groups = false or a group-relative learner.algorithm (grpo, drgrpo, "
+                             f"rloo, gigpo)")
         if lcfg.sft_coef > 0 and not lcfg.sft_data:
             raise ValueError(f"learner.sft_coef = {lcfg.sft_coef:g} needs episodes to train on: set learner.sft_data "
                              f"to trajectory files (`omrl collect`), or learner.sft_coef = 0")

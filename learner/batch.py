@@ -139,16 +139,7 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
     advantages = torch.zeros((N, T), dtype=torch.float32)
     refused = torch.zeros((N, T), dtype=torch.long)
     refused_count = 0
-    if algorithm in CRITIC_ALGORITHMS:
-        episode_adv, signal = [torch.zeros(len(g.rewards)) for g in groups], [True] * len(groups)
-    else:
-        episode_adv, signal = estimate("grpo" if algorithm == "gigpo" else algorithm,
-                                       [torch.from_numpy(g.rewards) for g in groups])
-    step_adv = [gigpo_steps(g, gamma, refused_reward) if algorithm == "gigpo" else [None] * len(g.samples)
-                for g in groups]
-    if algorithm == "gigpo":  # a group of equal episode rewards may still differ step by step
-        # (a sample whose turn states are unknown has no step advantages: None)
-        signal = [sig or any(any(a) for a in steps if a is not None) for sig, steps in zip(signal, step_adv)]
+    episode_adv, step_adv, signal = group_advantages(groups, algorithm, gamma, refused_reward)
     sample_signal = [sig for g, sig in zip(groups, signal) for _ in g.samples]
     sample_adv = [float(adv[k]) for g, adv in zip(groups, episode_adv) for k in g.episode_positions()]
     sample_steps = [steps for group_steps in step_adv for steps in group_steps]
@@ -194,6 +185,24 @@ def collate(groups: list[RolloutGroup], algorithm: str = "grpo", pad_id: int = 0
     return Batch(tokens, attention, loss_mask, generated, behav, advantages, token_rewards, stale, temperature,
                  np.concatenate([g.rewards for g in groups]), np.array(signal), len(groups), refused,
                  allowed=Allowed.of(samples, T))
+
+
+def group_advantages(groups: list[RolloutGroup], algorithm: str, gamma: float = 1.0, refused_reward: float = 0.0
+                     ) -> tuple[list[torch.Tensor], list[list[list[float] | None]], list[bool]]:
+    """Per group, by `algorithm`: its episodes' advantages, its samples' step advantages (gigpo's;
+    None: a sample without them) and whether it carries signal (with a critic every group does,
+    its advantages left at 0 for the trainer)."""
+    if algorithm in CRITIC_ALGORITHMS:
+        episode_adv, signal = [torch.zeros(len(g.rewards)) for g in groups], [True] * len(groups)
+    else:
+        episode_adv, signal = estimate("grpo" if algorithm == "gigpo" else algorithm,
+                                       [torch.from_numpy(g.rewards) for g in groups])
+    step_adv = [gigpo_steps(g, gamma, refused_reward) if algorithm == "gigpo" else [None] * len(g.samples)
+                for g in groups]
+    if algorithm == "gigpo":  # a group of equal episode rewards may still differ step by step
+        # (a sample whose turn states are unknown has no step advantages: None)
+        signal = [sig or any(any(a) for a in steps if a is not None) for sig, steps in zip(signal, step_adv)]
+    return episode_adv, step_adv, signal
 
 
 def turn_spans(loss_mask: np.ndarray) -> list[tuple[int, int]]:
@@ -281,11 +290,12 @@ def _even(per_rank: list[list[list[int]]]) -> list[list[list[int]]]:
     return [m + [[]] * (passes - len(m)) for m in per_rank]
 
 
-def plan(batch: Batch, minibatches: int, ranks: int, max_tokens: int) -> Plan:
+def plan(batch: Batch, minibatches: int, ranks: int, max_tokens: int, rows: list[int] | None = None) -> Plan:
+    """The minibatches of the batch's samples `rows` (None: all of them)."""
     lengths = batch.lengths
     padded = real = 0
     out = []
-    for mb in split_by_tokens(list(range(len(lengths))), lengths, minibatches):
+    for mb in split_by_tokens(list(range(len(lengths))) if rows is None else rows, lengths, minibatches):
         if not mb:  # more minibatches than samples: no optimizer step on nothing (AdamW's momentum would move)
             continue
         per_rank = [microbatches(share, lengths, max_tokens) for share in split_by_tokens(mb, lengths, ranks)]
@@ -294,4 +304,6 @@ def plan(batch: Batch, minibatches: int, ranks: int, max_tokens: int) -> Plan:
             for micro in m:
                 padded += len(micro) * int(lengths[micro].max())
                 real += int(lengths[micro].sum())
+    if not out:  # no sample to score, a supervised term to train (learner.sft_coef): one update of idle passes
+        out.append(_even([[] for _ in range(ranks)]))
     return Plan(out, 1 - real / max(padded, 1))

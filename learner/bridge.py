@@ -4,7 +4,7 @@ On its own event loop it runs one reader per rollout stream (shard), feeding a b
 queue; a janitor that claims entries idle too long that nobody works on (those of dead
 consumers, and own ones a lost reply delivered unseen), removes consumers that are gone,
 reports dead actors and forgets long-dead ones; and the learner's broker calls
-(ack, publish, dead letters), which the learner thread submits with `call`. Undecodable
+(ack, publish, dead letters, filtered groups), which the learner thread submits with `call`. Undecodable
 or invalid messages, and entries delivered more than `max_deliveries` times, go to the
 dead letters with their reason; the readers keep running. Connection faults are retried
 by a declared policy (a Redis restart is survived); other errors stop the bridge and are
@@ -66,6 +66,7 @@ class BrokerBridge:
                                  directory=weights_dir)
         self.members = Membership(self.client, self.keys)
         self.dead_letters: dict[str, int] = {}
+        self.filtered: dict[str, int] = {}  # learner.filter_groups: groups taken out untrained, by reason
         self.in_flight: set[tuple[int, str]] = set()
         self.reported_dead: set[str] = set()
         self.evals: list[dict] = []  # evaluation results not yet in a step record
@@ -108,6 +109,10 @@ class BrokerBridge:
         self.call(lambda: self._dead_letter(delivery.shard, delivery.entry_id, delivery.data, reason, detail),
                   "dead letter")
 
+    def filter(self, delivery: Delivery, reason: str) -> None:
+        """Take the group out untrained (learner.filter_groups), counted as filtered."""
+        self.call(lambda: self._filter(delivery.shard, delivery.entry_id, reason), "filter")
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=10)
@@ -125,6 +130,11 @@ class BrokerBridge:
         await self.retry.run("dead letter", lambda: self.consumers[shard].dead_letter(entry_id, data, reason, detail,
                                                                                    self.cfg.dead_letter_max))
         self.dead_letters[reason] = self.dead_letters.get(reason, 0) + 1
+        self.in_flight.discard((shard, entry_id))
+
+    async def _filter(self, shard: int, entry_id: str, reason: str) -> None:
+        await self.consumers[shard].filter(entry_id, reason)
+        self.filtered[reason] = self.filtered.get(reason, 0) + 1
         self.in_flight.discard((shard, entry_id))
 
     def _run(self) -> None:

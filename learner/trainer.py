@@ -124,7 +124,13 @@ class Trainer:
         if batch.num_trained_tokens == 0 and cfg.entropy_coef == 0 and not unlikely and not self.sft_examples:
             return {"learner/skipped": 1.0}
         self.scorer.train()
-        steps = plan(batch, cfg.minibatches, self.parallel.world, cfg.max_tokens_per_microbatch)
+        # Only the samples the loss reads are scored: a group without signal has loss mask 0, so
+        # unless a term over every generated token is on (the entropy bonus, the refused turns'
+        # unlikelihood) its samples would cost a forward and a backward for no gradient.
+        every_generated = cfg.entropy_coef > 0 or unlikely
+        scored = (batch.generated_mask if every_generated else batch.loss_mask).sum(1) > 0
+        rows = scored.nonzero().flatten().tolist()
+        steps = plan(batch, cfg.minibatches, self.parallel.world, cfg.max_tokens_per_microbatch, rows)
         updates = cfg.ppo_epochs * len(steps.minibatches)
         mine = [micro for mb in steps.minibatches for micro in mb[rank]]
         # The proximal policy (the weights before the first update) is the decoupled loss's, and the critic's.
@@ -167,6 +173,7 @@ class Trainer:
             "learner/updates": float(updates),
             "learner/microbatches": float(sum(len(mb[rank]) for mb in steps.minibatches)),
             "learner/padding_frac": steps.padding_frac,
+            "learner/scored_frac": len(rows) / len(scored),
         })
         metrics.update(self.timer.pop("learner/time/"))
         return metrics

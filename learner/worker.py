@@ -38,7 +38,7 @@ from common.messages import RolloutGroup, decode_group
 from common.metrics import Sinks
 from common.models import save_policy
 from common.weight_sync import Packed
-from learner.batch import Batch, collate
+from learner.batch import Batch, collate, group_advantages
 from learner.bridge import BrokerBridge, Delivery
 from learner.broadcast import BroadcastSender
 from learner.checkpoint import LearnerState, RecentIds, begin, finish, latest_checkpoint, read_state
@@ -60,6 +60,7 @@ class Learner:
         self.seen = RecentIds(cfg.learner.dedup_window)  # every group trained on, committed or not
         self.uncommitted: list[Delivery] = []  # trained on, not yet in a checkpoint
         self.counts = {"duplicates": 0, "stale": 0}
+        self.filtered_now = 0  # groups without signal filtered while this step's were read (learner.filter_groups)
         self.evals: list[dict] = []  # evaluations arrived and not yet in a step record
         self.checkpoint_dir = Path(cfg.run.run_dir) / "checkpoints"
         lcfg = cfg.learner
@@ -156,8 +157,10 @@ class Learner:
         return self.stopped_by is not None
 
     def _next_groups(self, bridge: BrokerBridge) -> list[Delivery]:
-        """B usable groups; duplicates are acknowledged and stale ones dead-lettered."""
+        """B usable groups; duplicates are acknowledged, stale ones dead-lettered and, with
+        learner.filter_groups, those without signal filtered (counted in `filtered_now`)."""
         lcfg = self.cfg.learner
+        self.filtered_now = 0
         batch: list[Delivery] = []
         while len(batch) < lcfg.groups_per_step and not self.stopping:
             beat()  # waiting for groups is progress: the actors' pace is theirs (common/liveness.py)
@@ -178,6 +181,11 @@ class Learner:
                 self.counts["stale"] += 1
                 bridge.dead_letter(d, "stale", f"staleness {staleness} steps > learner.max_staleness "
                                                f"{lcfg.max_staleness}")
+                continue
+            if lcfg.filter_groups and not group_advantages([d.group], lcfg.algorithm, lcfg.gamma,
+                                                           lcfg.refused_reward)[2][0]:
+                self.filtered_now += 1
+                bridge.filter(d, "no_signal")  # its ticket comes back: the actors play another
                 continue
             batch.append(d)
         return batch
@@ -420,6 +428,8 @@ class Learner:
             "broker/duplicates": self.counts["duplicates"],
             "broker/stale": self.counts["stale"],
             "broker/dead_letters": dict(bridge.dead_letters),
+            "broker/filtered": dict(bridge.filtered),
+            "batch/filtered": self.filtered_now,
             **metrics,
         }
         return record, kept

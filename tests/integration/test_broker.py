@@ -173,6 +173,31 @@ def test_dead_letter_keeps_payload_and_reason(redis_server_url, run_name):
     run(scenario())
 
 
+def test_a_filtered_entry_is_counted_and_its_ticket_given_back_but_not_kept(redis_server_url, run_name):
+    """learner.filter_groups: a group without signal leaves the stream as a dead letter does
+    (acknowledged, deleted, its ticket back), counted as filtered, and no dead letter holds it;
+    the books add up with it."""
+    from broker.status import format_accounting
+
+    async def scenario():
+        async with Setup(redis_server_url, run_name) as s:
+            await s.client.hset(s.keys.counts, mapping={"started": 3, "produced": 3})
+            await s.client.set(s.keys.tickets_accepted, 3)
+            await s.push(b"a", b"b", b"c")
+            got = [e for e, _, _ in await s.consumer.read(10, block_ms=100)]
+            for _ in range(2):  # again: a retry after a lost reply counts it once
+                await s.consumer.filter(got[0], "no_signal")
+                await s.consumer.filter(got[1], "no_signal")
+            assert await s.client.xlen(s.keys.dead_letters) == 0 and await s.client.xlen(s.keys.rollouts()) == 1
+            assert await s.client.get(s.keys.tickets_accepted) == b"1"
+            status = await run_status(s.client, s.keys, dead_after_s=10)
+            groups = status["groups"]
+            assert groups["filtered"] == {"no_signal": 2} and groups["dead_lettered"] == {}
+            assert groups["waiting"] == 1 and groups["unaccounted"] == 0, groups
+            assert "2 filtered (no_signal 2) + 1 waiting" in format_accounting(groups)
+    run(scenario())
+
+
 def test_dead_letter_stream_is_capped_and_its_counts_kept_whole(redis_server_url, run_name):
     async def scenario():
         async with Setup(redis_server_url, run_name, max_len=1000) as s:

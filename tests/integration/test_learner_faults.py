@@ -284,3 +284,41 @@ def test_sigterm_commits_what_was_trained_before_exiting(tmp_path, tiny_model):
         check_each_group_trained_once(rig)
     finally:
         rig.close()
+
+
+def test_groups_without_signal_are_filtered_through_a_kill_and_every_step_trains_b_with_signal(tmp_path, tiny_model):
+    """learner.filter_groups (DAPO's dynamic sampling): groups whose rewards are all alike, at
+    random places among those with signal, are filtered, counted once each though a SIGKILL at
+    a random moment makes the successor read some of them again; every step trains B groups,
+    all with signal, each once, and the books add up: produced = trained + filtered."""
+    rig = Rig(tmp_path, tiny_model, redis_binaries()[0], learner={"filter_groups": True})
+    try:
+        rng = np.random.default_rng(int(time.time()))
+        groups = [synthetic_group(rng) for _ in range(STEPS * B)]
+        flat = [synthetic_group(rng) for _ in range(int(rng.integers(STEPS, 3 * STEPS)))]
+        for g in flat:
+            for s in g.samples:
+                s.reward = 0.5
+                s.turn_rewards[:] = 0.5
+        rig.produced = [g.group_id for g in groups]
+        mixed = groups + flat
+        rng.shuffle(mixed)
+        rig.push([encode_group(g) for g in mixed[:len(mixed) // 2]])
+        rig.start_learner()
+        rig.wait_steps(int(rng.integers(1, 4)))
+        time.sleep(float(rng.random()))
+        rig.learner.send_signal(signal.SIGKILL)
+        rig.learner.wait()
+        rig.push([encode_group(g) for g in mixed[len(mixed) // 2:]])
+        rig.start_learner()
+        rig.finish()
+        check_each_group_trained_once(rig)
+        assert rig.dead_letter_reasons() == []
+        counts = rig.query(lambda c: c.hgetall(rig.keys.counts))
+        assert int(counts[b"filtered:no_signal"]) == len(flat)
+        records = {r["step"]: r for r in read_jsonl(rig.run_dir / "metrics.jsonl")}
+        assert all(r["batch/zero_signal_frac"] == 0 and r["batch/groups"] == B for r in records.values())
+        # Each record counts the groups filtered while its step's were read (the killed step's are not in one).
+        assert 0 < sum(r["batch/filtered"] for r in records.values()) <= len(flat)
+    finally:
+        rig.close()

@@ -276,3 +276,26 @@ def test_refused_unlikelihood_pushes_down_a_sure_refused_action_where_the_policy
     probs = [m["learner/refused_prob"] for m in steps]
     assert all(0 < p < 1 for p in probs) and probs[-1] < probs[0] / 2, probs
     assert steps[0]["learner/loss/refused"] == pytest.approx(-np.log(1 - probs[0]), rel=0.2)
+
+
+def test_which_groups_filter_groups_takes_out():
+    """learner.filter_groups reads each group's signal as the batch does: under grpo a group of
+    equal rewards has none; under gigpo it may still have one, where its step returns (with a
+    refused turn's reward) tell the episodes apart in a state; with ppo or reinforce every group has one, and the config says so."""
+    from learner.batch import group_advantages
+
+    rng = np.random.default_rng(8)
+    alike = multi_turn_group(rng, [([0.0, 0.0], ["a", "x"]), ([0.0, 0.0], ["a", "y"])])
+    same_states = multi_turn_group(rng, [([0.0, 0.0], ["a", "x"]), ([0.0, 0.0], ["a", "x"])])
+    varied = multi_turn_group(rng, [([0.0, 1.0], ["a", "b"]), ([0.0, 0.0], ["a", "x"])])
+    alike.samples[0].refused_turns = [1]  # gigpo's refused reward: its step returns from "a" differ
+    groups = [alike, same_states, varied]
+    assert group_advantages(groups, "grpo")[2] == [False, False, True]
+    assert group_advantages(groups, "gigpo", gamma=0.9, refused_reward=-0.1)[2] == [True, False, True]
+    assert group_advantages(groups, "gigpo", gamma=0.9)[2] == [False, False, True]
+    assert group_advantages(groups, "ppo")[2] == [True] * 3
+    assert collate(groups, "grpo").group_signal.tolist() == group_advantages(groups, "grpo")[2]
+    for algorithm in ("ppo", "reinforce"):
+        with pytest.raises(ValueError, match=f"every group of {algorithm} carries one"):
+            Config(learner=LearnerConfig(algorithm=algorithm, filter_groups=True))
+    Config(learner=LearnerConfig(algorithm="rloo", filter_groups=True))

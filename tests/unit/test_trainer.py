@@ -383,3 +383,25 @@ def test_a_batch_with_masked_turns_is_scored_over_each_token_s_allowed_tokens(ti
         assert entropy[k].item() == pytest.approx(-(want.exp() * want).sum().item(), abs=1e-5)
     assert sum(1 for ids in (masked.get(id(group.samples[order[n]]), {}).get(t) for n, t in mb.rows.tolist())
                if ids is not None) == 9  # 3 masked tokens in each of 3 samples
+
+
+def test_only_the_samples_the_loss_reads_are_scored(tiny_model):
+    """A group without signal has loss mask 0: with no term over every generated token its samples
+    are not scored, and the step's gradient is the one of the groups with signal alone. With the
+    entropy bonus on, every sample is scored (the bonus reads groups without signal too)."""
+    from tests.groups import varied_group
+
+    rng = np.random.default_rng(5)
+    signal = varied_groups(2)
+    flat = varied_group(rng)
+    for s in flat.samples:
+        s.reward = 1.0
+    assert collate([flat]).num_trained_tokens == 0
+    alone, alone_metrics = first_step(tiny_model, signal, entropy_coef=0.0)
+    mixed, mixed_metrics = first_step(tiny_model, [signal[0], flat, signal[1]], entropy_coef=0.0)
+    assert alone_metrics["learner/scored_frac"] == 1.0 and mixed_metrics["learner/scored_frac"] == pytest.approx(2 / 3)
+    assert mixed_metrics["learner/loss/policy"] == pytest.approx(alone_metrics["learner/loss/policy"], rel=1e-5)
+    for name, g in alone.items():
+        torch.testing.assert_close(mixed[name], g, rtol=1e-4, atol=1e-6, msg=name)
+    _, bonus = first_step(tiny_model, [signal[0], flat, signal[1]], entropy_coef=0.01)
+    assert bonus["learner/scored_frac"] == 1.0
