@@ -520,17 +520,21 @@ def table_rows(demo: Demo, before: dict, after: dict) -> list[str]:
 def seed_gains(demo: Demo, before: dict, afters: list[dict]) -> dict:
     """Per stratum (and "all" where there are several): each seed's change in points from
     `before`, and their mean with its 95% t-interval."""
-    keys = list(demo.strata) + (["all"] if len(demo.strata) > 1 else [])
+    pools = {key: [key] for key in demo.strata}
+    if len(demo.strata) > 1:
+        pools["all"] = list(demo.strata)
+    return {key: pool_gain(before, afters, strata) for key, strata in pools.items()}
 
-    def success(results: dict, key: str) -> float:
-        return (pooled(list(results.values())) if key == "all" else results[key])["success"]
 
-    gains = {}
-    for key in keys:
-        changes = [100 * (success(after, key) - success(before, key)) for after in afters]
-        mean, lo, hi = interval(changes)
-        gains[key] = {"changes": changes, "mean": mean, "ci": [lo, hi]}
-    return gains
+def pool_gain(before: dict, afters: list[dict], strata: list[str]) -> dict:
+    """Each seed's change in points of `strata` pooled (results as `evaluate` writes them, by
+    stratum), and their mean with its 95% t-interval."""
+    def success(results: dict) -> float:
+        return pooled([results[key] for key in strata])["success"] if len(strata) > 1 else results[strata[0]]["success"]
+
+    changes = [100 * (success(after) - success(before)) for after in afters]
+    mean, lo, hi = interval(changes)
+    return {"changes": changes, "mean": mean, "ci": [lo, hi]}
 
 
 def gains_table(demo: Demo, gains: dict) -> list[str]:

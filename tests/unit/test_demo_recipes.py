@@ -233,3 +233,14 @@ def test_a_demo_resumed_with_other_rl_depths_plays_them(tmp_path):
     assert again.strata == first.strata  # what SFT trained on is the same
     rl = read_tasks(again.rl_tasks() / "train.parquet", "textcraft")
     assert sorted(rl) == sorted(first.strata["1"][0] + first.strata["2"][0])
+    # The RL stage writes them itself and plays that file (a stage run without `rl_tasks` first).
+    import shutil
+    import tomllib
+
+    shutil.rmtree(tmp_path / "tasks" / "rl")
+    calls = []
+    again.omrl = lambda name, *argv, overrides=(): calls.append(name)
+    again.rl()
+    assert calls == ["rl", "rl-export"]
+    played = tomllib.loads((tmp_path / "rl.toml").read_text())["env"]["tasks"]
+    assert sorted(read_tasks(f"{played}/train.parquet", "textcraft")) == sorted(rl)

@@ -9,16 +9,15 @@ import json
 import sys
 from pathlib import Path
 
-from common.stats import interval
-from deploy.demo import pooled, seed_names
+from deploy.demo import pool_gain, pooled, seed_names
 
 folder = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(__file__).parent
 depths = ["1", "2", "3"]
 for kind in ("", "-sampled"):
     read = lambda name: json.loads((folder / f"{name}{kind}.json").read_text())  # noqa: E731
-    before = pooled([read("before")[d] for d in depths])["success"]
     afters = [seed_names(s)[1] for s in range(3) if (folder / f"{seed_names(s)[1]}{kind}.json").exists()]
-    changes = [100 * (pooled([read(name)[d] for d in depths])["success"] - before) for name in afters]
-    mean, lo, hi = interval(changes)
-    print(f"{kind[1:] or 'greedy':8} depths 1-3 from {100 * before:.1f}%: " + ", ".join(f"{c:+.1f}" for c in changes)
-          + f"  mean {mean:+.1f} [{lo:+.1f}, {hi:+.1f}]")
+    gain = pool_gain(read("before"), [read(name) for name in afters], depths)
+    before = pooled([read("before")[d] for d in depths])["success"]
+    print(f"{kind[1:] or 'greedy':8} depths 1-3 from {100 * before:.1f}%: "
+          + ", ".join(f"{c:+.1f}" for c in gain["changes"]) + f"  mean {gain['mean']:+.1f} "
+          f"[{gain['ci'][0]:+.1f}, {gain['ci'][1]:+.1f}]")
