@@ -35,7 +35,8 @@ turn caps, the model's shape, the stages' defaults):
 
 Each stage but the evaluations is a command of its own, run as a child process (its log under
 OUT/logs); a stage recorded as done in OUT/stages.json is skipped, so an interrupted demo goes on
-where it stopped (--fresh starts over).
+where it stopped (--fresh starts over). OUT/flags.json holds the flags each done stage ran with
+(STAGE_FLAGS): an invocation that gives a done stage other ones names them and stops.
 """
 
 from __future__ import annotations
@@ -164,6 +165,20 @@ TEXTCRAFT = Recipe("textcraft", "depth", "task (goal)",
                    lambda key: f"depth {key}")
 RECIPES = {r.env: r for r in (BABYAI, TEXTCRAFT)}
 STAGES = ("tasks", "model", "collect", "sft", "before")  # then "rl" and "after" for each seed
+# The flags each stage's output depends on (its seeds' stages, rl-seedN and after-seedN, as rl and
+# after): recorded in OUT/flags.json as each stage ends, a later invocation that gives a done stage
+# others refuses to go on, instead of skipping it as it was.
+STAGE_FLAGS = {
+    "tasks": ("levels", "train_seeds", "eval_episodes", "test_goals", "split_seed", "variants", "rl_goals"),
+    "model": (),
+    "collect": ("episodes", "collect_noise", "sft_shuffle_names"),
+    "sft": ("sft_epochs", "sft_lr", "sft_batch_size", "sft_eval_episodes", "sft_eval_start"),
+    "before": ("eval_samples", "constrain_actions"),
+    "dagger": ("dagger", "episodes", "rl_depths", "rl_levels"),
+    "rl": ("rl_depths", "rl_levels", "rl_shuffle_names", "rl_steps", "rl_sft", "dagger", "constrain_actions",
+           "overrides"),
+    "after": ("eval_samples", "constrain_actions"),
+}
 
 
 def add_args(p: argparse.ArgumentParser) -> None:
@@ -247,7 +262,7 @@ def make_demo(args: argparse.Namespace) -> Demo:
     and OUT made (emptied first with --fresh)."""
     recipe = RECIPES[args.recipe]
     others = {flag for r in RECIPES.values() for flag in r.own} - set(recipe.own)
-    given = sorted(f"--{flag.replace('_', '-')}" for flag in others if getattr(args, flag) is not None)
+    given = sorted(flag_name(flag) for flag in others if getattr(args, flag) is not None)
     if given:
         raise SystemExit(f"error: {', '.join(given)} is not a flag of the {recipe.env} recipe")
     for field, value in recipe.defaults.items():
@@ -262,7 +277,7 @@ def make_demo(args: argparse.Namespace) -> Demo:
     for flag in ("sft_shuffle_names", "rl_shuffle_names"):
         share = getattr(args, flag)
         if share is not None and not 0 <= share <= 1:
-            raise SystemExit(f"error: --{flag.replace('_', '-')} takes a share of the tasks, from 0 to 1, got {share}")
+            raise SystemExit(f"error: {flag_name(flag)} takes a share of the tasks, from 0 to 1, got {share}")
     strata, rl_train = recipe.split(args)
     out = Path(args.out)
     if args.fresh and out.exists():
@@ -297,6 +312,11 @@ def interleave(lists: list[list[int]]) -> list[int]:
     length (lists of one length: round robin), each list's order kept."""
     ranked = sorted((i / len(items), k, item) for k, items in enumerate(lists) for i, item in enumerate(items))
     return [item for _position, _k, item in ranked]
+
+
+def flag_name(field: str) -> str:
+    """An args field's flag on the command line."""
+    return "--set" if field == "overrides" else "--" + field.replace("_", "-")
 
 
 def seed_names(seed: int) -> tuple[str, str]:
@@ -335,6 +355,15 @@ class Demo:
         self.skipped: list[str] = []
         self.state_path = out / "stages.json"
         self.done = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
+        self.flags_path = out / "flags.json"
+        self.flags = json.loads(self.flags_path.read_text()) if self.flags_path.exists() else {}
+        for name in (n for n in self.done if n in self.flags):  # in the order they ran
+            given = self.flags_of(name)
+            differ = [flag for flag in given if self.flags[name].get(flag) != given[flag]]
+            if differ:
+                said = ", ".join(f"{flag_name(f)} {self.flags[name].get(f)!r} (now {given[f]!r})" for f in differ)
+                raise SystemExit(f"error: {out}'s stage {name} was done with {said}: give the same, or start over "
+                                 f"with --fresh (or another --out)")
         if args.dagger and "dagger" not in self.done and any(name.startswith("rl") for name in self.done):
             raise SystemExit(f"error: {out} holds an RL stage trained without --dagger's data; start over with "
                              f"--fresh (or another --out)")
@@ -351,9 +380,16 @@ class Demo:
         t0 = time.monotonic()
         body()
         self.times[name] = self.done[name] = time.monotonic() - t0
+        self.flags[name] = self.flags_of(name)
+        write_atomic(self.flags_path, json.dumps(self.flags, indent=2))
         write_atomic(self.state_path, json.dumps(self.done, indent=2))  # a later invocation resumes from it
         log.info("stage %s: %.0f s", name, self.times[name])
         self.bar.update(note=name)
+
+    def flags_of(self, name: str) -> dict:
+        """The flags stage `name` depends on, as this invocation gives them (STAGE_FLAGS)."""
+        kind = name.split("-seed")[0]
+        return {flag: json.loads(json.dumps(getattr(self.args, flag, None))) for flag in STAGE_FLAGS[kind]}
 
     def omrl(self, name: str, *argv: str, overrides: list[str] = ()) -> None:
         """An `omrl` command as a child process, its output in OUT/logs/NAME.log."""

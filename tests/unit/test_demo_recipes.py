@@ -244,3 +244,23 @@ def test_a_demo_resumed_with_other_rl_depths_plays_them(tmp_path):
     assert calls == ["rl", "rl-export"]
     played = tomllib.loads((tmp_path / "rl.toml").read_text())["env"]["tasks"]
     assert sorted(read_tasks(f"{played}/train.parquet", "textcraft")) == sorted(rl)
+
+
+def test_a_demo_resumed_with_other_flags_of_a_done_stage_refuses_to_go_on(tmp_path):
+    """Each stage records the flags its output depends on; a later invocation that gives a done
+    stage others says which and stops, where it would have skipped the stage as it was. Flags of
+    stages not done yet may change (the arms of one SFT model)."""
+    def demo(*flags):
+        return demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path), *flags))
+
+    demo("--sft-epochs", "4").stage("sft", lambda: None)
+    demo("--sft-epochs", "4", "--rl-steps", "60", "--rl-depths", "1")  # rl: not done yet
+    demo("--sft-epochs", "4", "--rl-steps", "60").stage("rl", lambda: None)
+    demo("--sft-epochs", "4", "--rl-steps", "60", "--seeds", "3")  # more seeds: the same rl stage
+    with pytest.raises(SystemExit, match=r"stage sft was done with --sft-epochs 4.0 \(now 2.0\)"):
+        demo("--sft-epochs", "2", "--rl-steps", "60")
+    with pytest.raises(SystemExit, match=r"stage rl was done with --rl-steps 60 \(now 20\), --set \[\] "
+                                         r"\(now \['learner.lr=1e-4'\]\).*--fresh"):
+        demo("--sft-epochs", "4", "--rl-steps", "20", "--set", "learner.lr=1e-4")
+    again = demo("--sft-epochs", "2", "--fresh")
+    assert again.done == {} and again.flags == {}
