@@ -605,6 +605,23 @@ def write_tasks(out: Path, env: str, train: list[int], test: list[int]) -> None:
                                  "split": [split_name] * len(idx)}), out / f"{split_name}.parquet")
 
 
+def config_variant(out: Path, name: str, dotted: str, value) -> Path:
+    """OUT/NAME/config.toml: the demo's config (OUT/config.toml) with the field `dotted` (e.g.
+    "env.options.shuffle_names") set to `value`, for an evaluation beside the demo's own
+    (`evaluate_strata(OUT/NAME, ...)`). Returns OUT/NAME."""
+    import tomllib
+
+    config = tomllib.loads((out / "config.toml").read_text())
+    *path, field = dotted.split(".")
+    section = config
+    for key in path:
+        section = section.setdefault(key, {})
+    section[field] = value
+    (out / name).mkdir(exist_ok=True)
+    write_atomic(out / name / "config.toml", to_toml(config))
+    return out / name
+
+
 def evaluate_strata(out: Path, model: Path, env: str, dirs: list[Path], samples: int = 0) -> tuple[list, list]:
     """With one engine, the model plays each directory's held-out tasks greedily and, with
     `samples`, that many episodes a task at temperature 1: (greedy results, sampled results),

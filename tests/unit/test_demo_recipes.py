@@ -264,3 +264,17 @@ def test_a_demo_resumed_with_other_flags_of_a_done_stage_refuses_to_go_on(tmp_pa
         demo("--sft-epochs", "4", "--rl-steps", "20", "--set", "learner.lr=1e-4")
     again = demo("--sft-epochs", "2", "--fresh")
     assert again.done == {} and again.flags == {}
+
+
+def test_a_config_variant_changes_one_field_of_the_demos_config(tmp_path):
+    import tomllib
+
+    from common.config import load_config
+
+    (tmp_path / "config.toml").write_text('[actor]\nconstrain_actions = true\ntemperature = 0.7\n')
+    shuffled = demo_mod.config_variant(tmp_path, "shuffled", "env.options.shuffle_names", 1)
+    unmasked = demo_mod.config_variant(tmp_path, "unmasked", "actor.constrain_actions", False)
+    assert tomllib.loads((shuffled / "config.toml").read_text()) == {
+        "actor": {"constrain_actions": True, "temperature": 0.7}, "env": {"options": {"shuffle_names": 1}}}
+    cfg = load_config(unmasked / "config.toml")
+    assert cfg.actor.constrain_actions is False and cfg.actor.temperature == 0.7

@@ -10,20 +10,15 @@ from __future__ import annotations
 
 import json
 import sys
-import tomllib
 from pathlib import Path
 
-from common.config import to_toml
-from deploy.demo import evaluate_strata
+from deploy.demo import config_variant, evaluate_strata
 
 
 def main(out: Path) -> None:
-    config = tomllib.loads((out / "config.toml").read_text())
-    config["actor"]["constrain_actions"] = False
-    (out / "unmasked").mkdir(exist_ok=True)
-    (out / "unmasked" / "config.toml").write_text(to_toml(config))
+    unmasked = config_variant(out, "unmasked", "actor.constrain_actions", False)
     depths = ["1", "2", "3", "4"]
-    greedy, sampled = evaluate_strata(out / "unmasked", out / "sft", "textcraft",
+    greedy, sampled = evaluate_strata(unmasked, out / "sft", "textcraft",
                                       [out / "tasks" / f"depth-{d}" for d in depths], 8)
     (out / "before-unmasked.json").write_text(json.dumps(dict(zip(depths, greedy)), indent=2))
     (out / "before-unmasked-sampled.json").write_text(json.dumps(dict(zip(depths, sampled)), indent=2))

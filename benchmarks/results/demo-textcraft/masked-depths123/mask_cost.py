@@ -14,11 +14,9 @@ from __future__ import annotations
 import json
 import sys
 import time
-import tomllib
 from pathlib import Path
 
-from common.config import to_toml
-from deploy.demo import evaluate_strata
+from deploy.demo import config_variant, evaluate_strata
 
 
 def timed(config_dir: Path, out: Path) -> dict:
@@ -29,11 +27,8 @@ def timed(config_dir: Path, out: Path) -> dict:
 
 
 def main(out: Path) -> None:
-    config = tomllib.loads((out / "config.toml").read_text())
-    config["actor"]["constrain_actions"] = False
-    (out / "unmasked").mkdir(exist_ok=True)
-    (out / "unmasked" / "config.toml").write_text(to_toml(config))
-    arms = {"masked": timed(out, out), "unmasked": timed(out / "unmasked", out)}
+    unmasked = config_variant(out, "unmasked", "actor.constrain_actions", False)
+    arms = {"masked": timed(out, out), "unmasked": timed(unmasked, out)}
     arms["ratio"] = arms["masked"]["s"] / arms["unmasked"]["s"]
     (out / "mask_cost.json").write_text(json.dumps(arms, indent=2) + "\n")
     print(json.dumps(arms, indent=2))

@@ -11,21 +11,16 @@ from __future__ import annotations
 
 import json
 import sys
-import tomllib
 from pathlib import Path
 
-from common.config import to_toml
-from deploy.demo import evaluate_strata
+from deploy.demo import config_variant, evaluate_strata
 
 
 def main(out: Path) -> None:
-    config = tomllib.loads((out / "config.toml").read_text())
-    config.setdefault("env", {}).setdefault("options", {})["shuffle_names"] = 1
-    (out / "shuffled").mkdir(exist_ok=True)
-    (out / "shuffled" / "config.toml").write_text(to_toml(config))
+    shuffled = config_variant(out, "shuffled", "env.options.shuffle_names", 1)
     found = {}
     for model in ("sft", "rl-model"):
-        greedy, sampled = evaluate_strata(out / "shuffled", out / model, "textcraft", [out / "tasks" / "depth-1"], 8)
+        greedy, sampled = evaluate_strata(shuffled, out / model, "textcraft", [out / "tasks" / "depth-1"], 8)
         found[model] = {kind: {key: result[0][key] for key in ("success", "success_ci", "episodes")}
                         for kind, result in (("greedy", greedy), ("sampled", sampled))}
         print(model, json.dumps(found[model]), flush=True)
