@@ -22,8 +22,8 @@ import torch
 from common.config import LearnerConfig, SFTConfig
 from learner.batch import microbatches
 from learner.distributed import resolve_device
-from learner.scoring import PolicyScorer, padded_examples
-from learner.trainer import autocast, place
+from learner.scoring import PolicyScorer
+from learner.trainer import place, supervised_nll
 
 Example = tuple[Sequence[int], Sequence[int]]  # (tokens, loss_mask) of one episode
 
@@ -112,10 +112,7 @@ class SFTTrainer:
 
     def _nll(self, examples: Sequence[Example]) -> torch.Tensor:
         """The summed negative log-likelihood of the trained tokens of `examples`, padded together."""
-        tokens, attention, rows = padded_examples(list(examples), self.device)
-        with autocast(self.device, self.precision):
-            logp, _entropy, _values = self.scorer(tokens, attention, rows, torch.ones(len(rows), device=self.device))
-        return -logp.float().sum()
+        return supervised_nll(self.scorer, list(examples), self.device, self.precision)[0]
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """The causal LM's weights, named as in Hugging Face (what `save_pretrained` and vLLM take)."""

@@ -70,6 +70,17 @@ def autocast(device: torch.device, precision: str):
     return torch.autocast(device.type, dtype=torch.bfloat16, enabled=precision == "bf16")
 
 
+def supervised_nll(scorer: torch.nn.Module, examples: list, device: torch.device, precision: str
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, int]:
+    """The summed negative log-likelihood of the trained tokens of `examples` ((tokens, loss_mask)
+    arrays) padded together, the scorer's values (None without a value head) and the count of those
+    tokens: SFT's loss and RL's supervised term (learner.sft_coef)."""
+    tokens, attention, rows = padded_examples(examples, device)
+    with autocast(device, precision):
+        logp, _entropy, values = scorer(tokens, attention, rows, torch.ones(len(rows), device=device))
+    return -logp.float().sum(), values, len(rows)
+
+
 REFERENCE_DTYPE = {"fp32": "float32", "bf16": "bfloat16"}  # the KL reference is kept in the compute's precision
 
 
@@ -355,14 +366,11 @@ class Trainer:
         `n_sft` trained tokens of the supervised term."""
         if not examples:
             return self._idle_loss(), {}
-        tokens, attention, rows = padded_examples(examples, self.device)
-        with self._autocast():
-            logp, _, values = self.scorer(tokens, attention, rows, torch.ones(len(rows), device=self.device))
-        nll = -logp.float().sum()
+        nll, values, n = supervised_nll(self.scorer, examples, self.device, self.cfg.precision)
         loss = self.cfg.sft_coef * nll / max(n_sft, 1.0)
         if values is not None:  # the value head in the graph: the gradients' sync expects every parameter
             loss = loss + values.sum() * 0.0
-        return loss, {"sft_nll": nll.detach().cpu(), "sft_tokens": torch.tensor(float(len(rows)))}
+        return loss, {"sft_nll": nll.detach().cpu(), "sft_tokens": torch.tensor(float(n))}
 
     def _idle_loss(self, scorer: torch.nn.Module | None = None) -> torch.Tensor:
         tokens = torch.zeros((1, 2), dtype=torch.long, device=self.device)
