@@ -435,7 +435,8 @@ class LearnerConfig(Section):
     """Padded tokens in one forward; gradients are accumulated over micro-batches, so memory follows
     this, not the batch. A longer sequence goes alone in its micro-batch."""
     vocab_chunk: int = Field(8192, ge=1)
-    """Columns of the output layer computed at once for log-probs and entropy."""
+    """Columns of the output layer computed at once for log-probs and entropy; for rows a mask
+    restricted (actor.constrain_actions), allowed (row, token) pairs at once."""
     ppo_epochs: int = Field(1, ge=1)
     """Passes over each batch."""
     minibatches: int = Field(4, ge=1)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+import torch.utils.checkpoint
 from torch.distributed.tensor import DTensor
 
 from learner.vocab_parallel import VocabRows, gather_rows
@@ -126,22 +127,36 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Ten
         return logp[mine], entropy[mine]
 
 
+def _pair_logits(hidden: torch.Tensor, weight: torch.Tensor, pair_rows: torch.Tensor, pair_ids: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """hidden[row] . weight[id] of each (row, id) pair, (P,) fp32, through (P, H) gathers in `dtype`."""
+    return (hidden[pair_rows].to(dtype) * weight[pair_ids].to(dtype)).sum(-1).float()
+
+
 def masked_logprobs(hidden: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, temperature: torch.Tensor,
-                    pair_rows: torch.Tensor, pair_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                    pair_rows: torch.Tensor, pair_ids: torch.Tensor, pair_chunk: int = 8192
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """hidden (M, H), output weight (V, H), targets (M,), temperature (M,); each row's allowed
     tokens as (row, id) pairs, (P,) each, every row with at least one -> log-prob of each target
     and entropy of each row's distribution renormalised over its allowed tokens, (M,) fp32:
     l = hidden . weight[id] / temperature; logp = l[target] - logsumexp over the row's ids. Only the
-    allowed rows of the weight are read (gathered: P * H values, and as many for the hidden
-    states); a weight split by vocabulary is refused."""
+    allowed rows of the weight are read, `pair_chunk` pairs at a time (gathered: 2 x pair_chunk x H
+    values); with more pairs than that each chunk's gathers are recomputed in backward instead of
+    kept, so the head's peak stays there whatever P is. A weight split by vocabulary is refused."""
     if isinstance(weight, DTensor):
         raise NotImplementedError("rows masked by actor.constrain_actions are not scored with the output layer split "
                                   "by vocabulary: set learner.vocab_parallel = false")
     compute_dtype = torch.get_autocast_dtype(hidden.device.type) if torch.is_autocast_enabled(hidden.device.type) \
         else weight.dtype
     with torch.autocast(hidden.device.type, enabled=False):
-        logits = (hidden[pair_rows].to(compute_dtype) * weight[pair_ids].to(compute_dtype)).sum(-1).float() \
-            / temperature.float()[pair_rows]  # (P,)
+        if len(pair_rows) <= pair_chunk:
+            dots = _pair_logits(hidden, weight, pair_rows, pair_ids, compute_dtype)
+        else:
+            dots = torch.cat([
+                torch.utils.checkpoint.checkpoint(_pair_logits, hidden, weight, pair_rows[i:i + pair_chunk],
+                                                  pair_ids[i:i + pair_chunk], compute_dtype, use_reentrant=False)
+                for i in range(0, len(pair_rows), pair_chunk)])
+        logits = dots / temperature.float()[pair_rows]  # (P,)
         M = len(hidden)
         shift = torch.full((M,), -float("inf"), device=logits.device).scatter_reduce(
             0, pair_rows, logits.detach(), "amax")  # a constant for stability: the gradient is lse's
@@ -196,7 +211,7 @@ class PolicyScorer(torch.nn.Module):
             into = torch.cumsum(masked, 0) - 1  # each masked row's place among them
             m_idx, u_idx = masked.nonzero()[:, 0], (~masked).nonzero()[:, 0]
             m_logp, m_ent = masked_logprobs(picked[m_idx], weight, targets[m_idx], temperature[m_idx],
-                                            into[pair_rows], pair_ids)
+                                            into[pair_rows], pair_ids, self.vocab_chunk)
             u_logp, u_ent = head_logprobs(picked[u_idx], weight, targets[u_idx], temperature[u_idx], self.vocab_chunk)
             order = torch.argsort(torch.cat([m_idx, u_idx]))
             logp, entropy = torch.cat([m_logp, u_logp])[order], torch.cat([m_ent, u_ent])[order]

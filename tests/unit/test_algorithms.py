@@ -217,6 +217,12 @@ def test_masked_rows_are_scored_over_their_allowed_tokens_with_the_gradient_of_t
         torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-6)
     whole = head_logprobs(h.detach(), W.detach(), targets, temperature)[0]
     assert (logp.detach() - whole > 0.1).all()  # renormalised: more than the whole vocabulary gives
+    # In chunks of 4 of the 15 pairs (each chunk's gathers recomputed in backward): the same numbers.
+    chunked = masked_logprobs(h, W, targets, temperature, rows, torch.tensor([t for ids in sets for t in ids]), 4)
+    torch.testing.assert_close(chunked[0], logp, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(chunked[1], entropy, rtol=1e-6, atol=1e-7)
+    for g, w in zip(torch.autograd.grad((chunked[0] * g_logp + chunked[1] * g_entropy).sum(), [h, W]), got):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-7)
 
 
 def steps_of(x, mask):
@@ -323,3 +329,31 @@ def test_kl_estimators():
     assert torch.all(kl_penalty(lp, lq, "k3") >= 0) and torch.any(kl_penalty(lp, lq, "k1") < 0)
     with pytest.raises(ValueError, match="learner.kl_estimator"):
         kl_penalty(lp, lq, "k2")
+
+
+def test_masked_scoring_in_chunks_keeps_no_pairs_by_hidden_size_tensor_for_backward():
+    """The (P, H) gathers of the allowed rows are what the masked head's memory grows with; in
+    chunks none is kept for backward (each is recomputed there), whole they are."""
+    torch.manual_seed(6)
+    M, H, V, per_row = 32, 512, 500, 50
+    h, W = torch.randn(M, H, requires_grad=True), torch.randn(V, H, requires_grad=True)
+    rows = torch.arange(M).repeat_interleave(per_row)
+    ids = torch.randint(0, V, (M * per_row,))
+    targets = ids[torch.arange(M) * per_row]
+    inputs = {h.untyped_storage().data_ptr(), W.untyped_storage().data_ptr()}
+
+    def kept_bytes(pair_chunk: int) -> int:
+        kept = {}
+
+        def pack(t):
+            if t.untyped_storage().data_ptr() not in inputs:
+                kept[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logp, _ = masked_logprobs(h, W, targets, torch.ones(M), rows, ids, pair_chunk)
+        logp.sum().backward()
+        return sum(kept.values())
+
+    pairs_by_h = M * per_row * H * 4
+    assert kept_bytes(10 ** 6) >= 2 * pairs_by_h  # whole: both gathers kept
+    assert kept_bytes(256) < pairs_by_h / 16  # in chunks: the pairs' logits and indices only (P each)
