@@ -109,18 +109,16 @@ class ModelPolicy:
         """`stops`: the request's stop strings in place of the engine's (actor.stop); None: the engine's.
         `choices`: the token sequences the turn must be one of (actor.constrain_actions)."""
         ids: list[int] = []
-        extra = {} if stops is None else {"stops": stops}
         logprobs: list[float] = []
         versions: list[int] = []
         while True:
-            if choices is not None:
-                extra["choices"] = choices.continued(ids)
-                if extra["choices"] is None:  # an update came just as the turn completed a choice
-                    return Turn(Generation(ids, logprobs, "stop"), versions)
+            rest = None if choices is None else choices.continued(ids)
+            if choices is not None and rest is None:  # an update came just as the turn completed a choice
+                return Turn(Generation(ids, logprobs, "stop"), versions)
             async with self.gate.generating() as version:
                 applied = self.gate.applied
-                gen = await self.engine.generate(tokens + ids, budget - len(ids),
-                                                 turn_start=len(tokens) if ids else None, sent=self.gate.sent, **extra)
+                gen = await self.engine.generate(tokens + ids, budget - len(ids), turn_start=len(tokens) if ids else None,
+                                                 sent=self.gate.sent, stops=stops, choices=rest)
                 swapped = self.gate.versions_since(applied, len(gen.swaps))
             ids += gen.token_ids
             logprobs += gen.logprobs

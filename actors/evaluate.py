@@ -38,8 +38,8 @@ class PinnedModelPolicy:
 
     async def act(self, tokens: list[int], budget: int, env_id: int, stops: list[str] | None = None,
                   choices: Choices | None = None) -> Turn:
-        extra = {**({} if stops is None else {"stops": stops}), **({} if choices is None else {"choices": choices})}
-        return Turn(await self.engine.generate(tokens, budget, self.temperature, **extra), self.version)
+        return Turn(await self.engine.generate(tokens, budget, self.temperature, stops=stops, choices=choices),
+                    self.version)
 
 
 class ServerPolicy:
@@ -70,8 +70,7 @@ class ServerPolicy:
         env = self.setup.env
         noisy = self.kind == "oracle" and self.noise > 0 and self._draw(tokens) < self.noise
         if noisy and self.mistakes is not None:
-            extra = {} if choices is None else {"choices": choices}
-            return dataclasses.replace(await self.mistakes.act(tokens, budget, env_id, **extra), trained=False)
+            return dataclasses.replace(await self.mistakes.act(tokens, budget, env_id, stops, choices), trained=False)
         if noisy:
             action = await env.mistake_action(env_id)
         else:

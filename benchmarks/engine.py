@@ -94,7 +94,7 @@ class RecordingEngine:
         self.generated = 0
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None,
-                       turn_start: int | None = None, sent=None):
+                       turn_start: int | None = None, sent=None, stops=None, choices=None):
         self.requests[_loop_index.get()].append((list(prompt_ids), max_tokens))  # the buffer grows later
         generation = await self.engine.generate(prompt_ids, max_tokens, temperature, turn_start, sent)
         self.generated += len(generation.token_ids)
@@ -137,7 +137,7 @@ class CountingEngine:
         self.generated = self.requests = self.prompt_tokens = 0
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None,
-                       turn_start: int | None = None, sent=None, stops: list[str] | None = None):
+                       turn_start: int | None = None, sent=None, stops: list[str] | None = None, choices=None):
         self.requests, self.prompt_tokens = self.requests + 1, self.prompt_tokens + len(prompt_ids)
         generation = await self.engine.generate(prompt_ids, max_tokens, temperature, turn_start, sent, stops)
         self.generated += len(generation.token_ids)

@@ -65,7 +65,8 @@ class SimEngine:
         self.newline = tokenizer.encode("\n", add_special_tokens=False)
         self.rng = random.Random(seed)
 
-    async def generate(self, prompt_ids, max_tokens, temperature=None, turn_start=None, sent=None):
+    async def generate(self, prompt_ids, max_tokens, temperature=None, turn_start=None, sent=None, stops=None,
+                       choices=None):
         from actors.engine import Generation
 
         n = max(1, min(max_tokens, round(self.rng.expovariate(1 / TOKENS))))

@@ -54,7 +54,7 @@ class ScriptedEngine:
         self.loaded: list[str] = []
 
     async def generate(self, prompt_ids: list[int], max_tokens: int, temperature: float | None = None,
-                       turn_start: int | None = None, sent=None) -> Generation:
+                       turn_start: int | None = None, sent=None, stops=None, choices=None) -> Generation:
         await asyncio.sleep(0.005)
         ids = self.answer[:max_tokens]
         return Generation(ids, [-0.5] * len(ids), "stop")

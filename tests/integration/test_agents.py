@@ -45,7 +45,7 @@ class LetterEngine:
         self.tokenizer, self.sampled, self.temperatures, self.stops = tokenizer, [], set(), set()
 
     async def generate(self, prompt_ids, max_tokens, temperature=None, turn_start=None, sent=None,
-                       stops=None) -> Generation:
+                       stops=None, choices=None) -> Generation:
         self.temperatures.add(temperature)
         self.stops.add(None if stops is None else tuple(stops))  # the agent's requests bring theirs
         await asyncio.sleep(3600 if self.tokenizer.decode(prompt_ids[-1:]) == "z" else 0.002)  # "z": a hung engine

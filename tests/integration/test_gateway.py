@@ -35,7 +35,7 @@ class ScriptedEngine:
         self.tokenizer, self.replies, self.prompts, self.stops = tokenizer, list(replies), [], ["\n"]
 
     async def generate(self, prompt_ids, max_tokens, temperature=None, turn_start=None, sent=None,
-                       stops=None) -> Generation:
+                       stops=None, choices=None) -> Generation:
         self.prompts.append(list(prompt_ids))
         if sent is not None:
             sent()

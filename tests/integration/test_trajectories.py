@@ -144,7 +144,7 @@ class Says:
     def __init__(self, setup: EpisodeSetup, text: str):
         self.ids = setup.format.agent_turn(text)
 
-    async def act(self, tokens: list[int], budget: int, env_id: int) -> Turn:
+    async def act(self, tokens: list[int], budget: int, env_id: int, stops=None, choices=None) -> Turn:
         return Turn(Generation(self.ids, [-1.0] * len(self.ids), "stop"), 0)
 
 

@@ -231,7 +231,8 @@ class KeepingEngine:
         self.running, self.requests, self.calls = asyncio.Event(), {}, 0
         self.running.set()
 
-    async def generate(self, prompt_ids, max_tokens, temperature=None, turn_start=None, sent=None):
+    async def generate(self, prompt_ids, max_tokens, temperature=None, turn_start=None, sent=None, stops=None,
+                       choices=None):
         from actors.engine import Generation
 
         self.calls += 1
