@@ -255,6 +255,14 @@ class ActorConfig(Section):
     agent service runs elsewhere (compose: http://actor:PORT)."""
 
 
+CRITIC_ALGORITHMS = ("ppo",)
+"""learner.algorithm values whose advantages come from the critic (GAE or V-trace), in the trainer."""
+GROUP_RELATIVE = ("grpo", "drgrpo", "rloo", "gigpo")
+"""learner.algorithm values whose advantages are relative to their group's rewards: a group of equal
+rewards carries no signal (learner/algorithms.py registers each with its kind; a test keeps the two
+lists the same)."""
+
+
 class LearnerConfig(Section):
     mode: Literal["async", "sync"] = "async"
     """async: actors generate while the learner trains, up to learner.eta optimizer steps ahead; sync:
@@ -620,11 +628,11 @@ class Config(Section):
         if lcfg.loss_agg != "token-mean" and lcfg.algorithm in ("ppo", "drgrpo"):
             raise ValueError(f"learner.loss_agg = {lcfg.loss_agg!r} works with grpo, rloo, reinforce and gigpo, not "
                              f"{lcfg.algorithm}: set learner.loss_agg = \"token-mean\" or another learner.algorithm")
-        if lcfg.negative_weight != 1.0 and lcfg.algorithm == "ppo":
+        if lcfg.negative_weight != 1.0 and lcfg.algorithm in CRITIC_ALGORITHMS:
             raise ValueError(f"learner.negative_weight = {lcfg.negative_weight:g} works with the group estimators, "
                              f"not ppo (its advantages come from the critic): set learner.negative_weight = 1.0 "
                              f"or another learner.algorithm")
-        if lcfg.refused_turns == "nonpositive" and lcfg.algorithm == "ppo":
+        if lcfg.refused_turns == "nonpositive" and lcfg.algorithm in CRITIC_ALGORITHMS:
             raise ValueError("learner.refused_turns = \"nonpositive\" works with the group estimators, not ppo (its "
                              "advantages come from the critic): set learner.refused_turns = \"drop\" or another "
                              "learner.algorithm")
@@ -632,11 +640,11 @@ class Config(Section):
             raise ValueError(f"learner.refused_reward = {lcfg.refused_reward:g} is a turn reward of gigpo's step "
                              f"returns, not of {lcfg.algorithm}: set learner.algorithm = \"gigpo\" or "
                              f"learner.refused_reward = 0")
-        if lcfg.filter_groups and lcfg.algorithm in ("ppo", "reinforce"):
+        if lcfg.filter_groups and lcfg.algorithm not in GROUP_RELATIVE:
             raise ValueError(f"learner.filter_groups drops the groups a group-relative estimator gives no "
                              f"advantage, and every group of {lcfg.algorithm} carries one: set "
-                             f"learner.filter_groups = false or a group-relative learner.algorithm (grpo, drgrpo, "
-                             f"rloo, gigpo)")
+                             f"learner.filter_groups = false or a group-relative learner.algorithm "
+                             f"({', '.join(GROUP_RELATIVE)})")
         if lcfg.sft_coef > 0 and not lcfg.sft_data:
             raise ValueError(f"learner.sft_coef = {lcfg.sft_coef:g} needs episodes to train on: set learner.sft_data "
                              f"to trajectory files (`omrl collect`), or learner.sft_coef = 0")

@@ -24,8 +24,6 @@ class Estimator:
 
 
 ESTIMATORS: dict[str, Estimator] = {}
-CRITIC_ALGORITHMS = ("ppo",)
-"""learner.algorithm values whose advantages come from the critic (GAE or V-trace), in the trainer."""
 
 
 def estimator(name: str, group_relative: bool = True):

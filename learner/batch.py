@@ -9,9 +9,10 @@ import dataclasses
 import numpy as np
 import torch
 
+from common.config import CRITIC_ALGORITHMS
 from common.messages import RolloutGroup, Sample
-from learner.algorithms import CRITIC_ALGORITHMS, discounted_returns, gigpo_step_advantages
 from learner.algorithms import advantages as estimate
+from learner.algorithms import discounted_returns, gigpo_step_advantages
 
 
 @dataclasses.dataclass

@@ -24,12 +24,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.config import LearnerConfig
+from common.config import CRITIC_ALGORITHMS, LearnerConfig
 from common.models import write_safetensors
 from common.timing import Timer
 from common.weight_sync import Packed, pack
 from learner.algorithms import (
-    CRITIC_ALGORITHMS,
     LossConfig,
     add_stats,
     gae,

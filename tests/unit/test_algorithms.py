@@ -357,3 +357,18 @@ def test_masked_scoring_in_chunks_keeps_no_pairs_by_hidden_size_tensor_for_backw
     pairs_by_h = M * per_row * H * 4
     assert kept_bytes(10 ** 6) >= 2 * pairs_by_h  # whole: both gathers kept
     assert kept_bytes(256) < pairs_by_h / 16  # in chunks: the pairs' logits and indices only (P each)
+
+
+def test_the_configs_lists_of_algorithms_are_the_learners():
+    """common/config.py names the algorithms by kind for its checks (it may not import the learner);
+    they must be the learner's registry: each estimator group-relative or not, and the critic's."""
+    import typing
+
+    from common.config import CRITIC_ALGORITHMS, GROUP_RELATIVE, LearnerConfig
+    from learner.algorithms import ESTIMATORS
+
+    # gigpo is grpo's estimator with step advantages added (learner/batch.py), not an estimator of its own
+    assert set(typing.get_args(LearnerConfig.model_fields["algorithm"].annotation)) == {
+        *ESTIMATORS, *CRITIC_ALGORITHMS, "gigpo"}
+    assert {name for name, est in ESTIMATORS.items() if est.group_relative} | {"gigpo"} == set(GROUP_RELATIVE)
+    assert not set(CRITIC_ALGORITHMS) & set(GROUP_RELATIVE)
