@@ -41,6 +41,7 @@ import aiohttp
 from actors.agents import AgentRollouts, load_agent, serve_agents
 from actors.engine import Engine, VLLMEngine
 from actors.episode import EpisodeSetup, ModelPolicy, run_episode
+from actors.sampling import TaskSampler, pools_of
 from actors.templates import make_template
 from actors.weights import BroadcastLink, apply_newest, receive_weights, update_gate
 from broker.admission import Admission
@@ -85,6 +86,7 @@ class Actor:
             check_weights(cfg.actor.rewards)
             self.train_tasks, _test = task_split(cfg.env)  # no test task is ever trained on
             self.task_data = task_data(cfg.env)
+            pools_of(self.train_tasks, cfg.actor.task_pool, self.task_data)  # a column the task files lack fails here
             # Your own agent plays the episodes through the endpoint (actors/agents.py), or the episode loop does.
             self.agent = load_agent(cfg.actor)
         except ValueError as exc:
@@ -131,6 +133,9 @@ class Actor:
         self.start, self.seed = starts + 1, actor_seed(cfg.actor.seed, self.index, starts)
         log.info("actor %s: index %d, start %d, seed %d", self.name, self.index, self.start, self.seed)
         self.rng = random.Random(self.seed)
+        acfg = cfg.actor
+        self.sampler = TaskSampler(self.train_tasks, self.rng, acfg.task_sampling, acfg.task_pool, self.task_data,
+                                   acfg.spread_floor)
         if cfg.actor.gpu_by_index:
             pick_gpu(self.index, cfg.learner.ranks)
         if self.engine is None:
@@ -200,7 +205,7 @@ class Actor:
             if not granted:
                 self.running.discard(ticket)
                 return
-            task_idx = self.rng.choice(self.train_tasks)
+            task_idx = self.sampler.draw()
             try:
                 await self._before_group()
                 group = await self._run_group(task_idx)
@@ -214,6 +219,7 @@ class Actor:
             await self.producer.push(data, ticket)  # the producer commits the ticket after the XADD
             self.running.discard(ticket)
             self.groups += 1
+            self.sampler.record(task_idx, group.rewards.tolist())
             self.tokens += sum(int(s.loss_mask.sum()) for s in group.samples)
 
     async def _load_newest_weights(self) -> None:
@@ -344,6 +350,8 @@ class Actor:
                             "actor/groups_failed": sum(self.failed.values()),
                             "actor/weight_version": self.gate.version, "actor/in_flight_episodes": self.in_flight,
                             "actor/waited_on_tickets_s": self.admission.waited_s,
+                            "actor/task_pools_played": len(self.sampler.played),
+                            "actor/task_pools_flat": self.sampler.flat_pools,
                             **({f"actor/agent_{k}": v for k, v in self.rollouts.counts.items()} if self.rollouts else {})})
                 if stopped:
                     return

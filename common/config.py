@@ -157,6 +157,18 @@ class ActorConfig(Section):
     """G: episodes per task, pushed as one group (GRPO needs at least 2)."""
     concurrent_groups: int = Field(8, ge=1)
     """Groups one actor runs at once."""
+    task_sampling: Literal["uniform", "spread"] = "uniform"
+    """Which train task a group plays (actors/sampling.py): uniform, every one alike; spread, a pool of
+    tasks (task_pool) whose every group this actor played had all its episodes' rewards alike (no
+    signal for a group-relative estimator) drawn spread_floor times as often as the others. With
+    learner.filter_groups the groups without signal are then fewer to play and drop. Unmeasured on a
+    learning result (TextCraft page, Next)."""
+    task_pool: str | None = None
+    """task_sampling = "spread": a column of the task files whose value pools tasks (TextCraft's demo
+    writes `goal`: a goal's variants are one pool); unset, each task is its own."""
+    spread_floor: float = Field(0.1, gt=0, le=1)
+    """task_sampling = "spread": the weight of a pool whose groups so far all had no spread (the
+    others weigh 1)."""
     max_tokens: int = Field(4, ge=1)
     """Tokens generated per turn at most."""
     max_turns: int = Field(4, ge=1)
@@ -675,6 +687,9 @@ class Config(Section):
                              f"got {self.actor.agent!r}")
         if self.actor.agent_url and not self.actor.agent_url.startswith(("http://", "https://")):
             raise ValueError(f"actor.agent_url must be an http(s) URL, got {self.actor.agent_url!r}")
+        if self.actor.task_pool is not None and self.actor.task_sampling != "spread":
+            raise ValueError(f"actor.task_pool = {self.actor.task_pool!r} pools tasks for actor.task_sampling = "
+                             f"\"spread\" only: set task_sampling = \"spread\" or unset task_pool")
         if self.actor.max_tokens >= self.actor.max_seq_len:
             raise ValueError("actor.max_tokens must be below actor.max_seq_len: raise max_seq_len or lower max_tokens")
         if self.actor.constrain_actions and self.actor.action_template != "raw":

@@ -75,7 +75,8 @@ class Recipe:
     never end an episode on turns); `model`: `omrl init-model`'s shape and template; `defaults`: the
     command line's, where it leaves them out; `own`: the flags only this recipe takes; `split`:
     {stratum: (train task ids, test task ids)} and {stratum the RL stage trains on: its task ids}
-    from the command line; `label`: a stratum's name in the report."""
+    from the command line; `label`: a stratum's name in the report; `pool`: a column the task files
+    get, (name, a task's value), that pools tasks for actor.task_sampling = "spread" (actor.task_pool)."""
     env: str
     stratum: str  # what a stratum is called: "level", "depth"
     task: str  # what a held-out task is: "task", "task (goal)"
@@ -85,6 +86,7 @@ class Recipe:
     own: tuple[str, ...]
     split: Callable[[argparse.Namespace], tuple[dict[str, tuple[list[int], list[int]]], dict[str, list[int]]]]
     label: Callable[[str], str]
+    pool: tuple[str, Callable[[int], int]] | None = None
 
 
 def babyai_split(args: argparse.Namespace) -> tuple[dict[str, tuple[list[int], list[int]]],
@@ -148,6 +150,15 @@ BABYAI = Recipe("babyai", "level", "task",
                  "eval_samples": 0, "collect_noise": 0.0, "sft_epochs": 2.0, "sft_eval_start": True, "sft_lr": 1e-3,
                  "sft_batch_size": 32, "sft_eval_episodes": 200, "rl_steps": 60},
                 ("levels", "rl_levels", "train_seeds", "eval_episodes"), babyai_split, babyai_label)
+
+
+def textcraft_goal(task: int) -> int:
+    """A TextCraft task's goal (task g + 544 v: goal g among variant v's distractors)."""
+    from envs.textcraft import GOALS
+
+    return task % GOALS
+
+
 # TextCraft: the oracle takes 2 turns at depth 1 on average, 5 at 2, 11 at 3 (48 at most), 19 at 4,
 # and more than 30 on 2 goals of 544 (so 30 turns: a failing episode played to the cap costs most);
 # a first observation is 132 words on average, 695 at most; an action 22 words at most. The CPU's
@@ -162,7 +173,7 @@ TEXTCRAFT = Recipe("textcraft", "depth", "task (goal)",
                     "rl_goals": 0, "sft_shuffle_names": 0.0, "rl_shuffle_names": 0.0},
                    ("test_goals", "split_seed", "variants", "rl_depths", "rl_goals", "sft_shuffle_names",
                     "rl_shuffle_names"), textcraft_split,
-                   lambda key: f"depth {key}")
+                   lambda key: f"depth {key}", ("goal", textcraft_goal))
 RECIPES = {r.env: r for r in (BABYAI, TEXTCRAFT)}
 STAGES = ("tasks", "model", "collect", "sft", "before")  # then "rl" and "after" for each seed
 # The flags each stage's output depends on (its seeds' stages, rl-seedN and after-seedN, as rl and
@@ -432,13 +443,13 @@ class Demo:
         # the first held-out ones, so every prefix holds each stratum in proportion.
         self.write_pooled("all", {k: tr for k, (tr, _te) in self.strata.items()})
         for key, (train, test) in self.strata.items():
-            write_tasks(self.stratum_dir(key), self.env, train, test)
+            write_tasks(self.stratum_dir(key), self.env, train, test, self.recipe.pool)
         (self.out / "config.toml").write_text(to_toml({"env": {"name": self.env}, "actor": self.actor}))
 
     def write_pooled(self, name: str, train: dict[str, list[int]]) -> Path:
         """OUT/tasks/NAME: the strata's train tasks given and their held-out ones, interleaved."""
         write_tasks(self.out / "tasks" / name, self.env, interleave(list(train.values())),
-                    interleave([self.strata[k][1] for k in train]))
+                    interleave([self.strata[k][1] for k in train]), self.recipe.pool)
         return self.out / "tasks" / name
 
     def rl_tasks(self) -> Path:
@@ -595,14 +606,18 @@ def pooled(results: list[dict]) -> dict:
     return {"episodes": episodes, "success": success, "success_ci": list(ci)}
 
 
-def write_tasks(out: Path, env: str, train: list[int], test: list[int]) -> None:
+def write_tasks(out: Path, env: str, train: list[int], test: list[int],
+                pool: tuple[str, Callable[[int], int]] | None = None) -> None:
+    """Task files of `train` and `test` in OUT, with the column `pool` names (Recipe.pool) where given."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     out.mkdir(parents=True, exist_ok=True)
     for split_name, idx in (("train", train), ("test", test)):
-        pq.write_table(pa.table({"env": [env] * len(idx), "task_idx": pa.array(idx, pa.int64()),
-                                 "split": [split_name] * len(idx)}), out / f"{split_name}.parquet")
+        columns = {"env": [env] * len(idx), "task_idx": pa.array(idx, pa.int64()), "split": [split_name] * len(idx)}
+        if pool is not None:
+            columns[pool[0]] = pa.array([pool[1](t) for t in idx], pa.int64())
+        pq.write_table(pa.table(columns), out / f"{split_name}.parquet")
 
 
 def config_variant(out: Path, name: str, dotted: str, value) -> Path:

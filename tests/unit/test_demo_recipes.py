@@ -278,3 +278,19 @@ def test_a_config_variant_changes_one_field_of_the_demos_config(tmp_path):
         "actor": {"constrain_actions": True, "temperature": 0.7}, "env": {"options": {"shuffle_names": 1}}}
     cfg = load_config(unmasked / "config.toml")
     assert cfg.actor.constrain_actions is False and cfg.actor.temperature == 0.7
+
+
+def test_textcraft_task_files_pool_each_goals_variants_for_spread_sampling(tmp_path):
+    """The `goal` column (Recipe.pool): actor.task_pool = "goal" pools a goal's variants."""
+    import pyarrow.parquet as pq
+
+    from common.config import EnvConfig
+    from envs.tasks import task_data
+
+    demo = demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path), "--rl-depths", "1"))
+    rl = demo.rl_tasks()
+    rows = pq.read_table(rl / "train.parquet").to_pylist()
+    assert rows and all(r["goal"] == r["task_idx"] % 544 for r in rows)
+    assert {r["goal"] for r in rows} < {r["task_idx"] for r in rows}  # variants share a goal
+    data = task_data(EnvConfig(name="textcraft", tasks=str(rl)))
+    assert all(data[r["task_idx"]]["goal"] == r["goal"] for r in rows)
