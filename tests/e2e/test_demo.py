@@ -3,7 +3,7 @@ model, the oracle's episodes, SFT, the evaluation before, the async RL loop (`om
 SFT model), the export, the evaluation after, and the report. SFT on 300 oracle episodes of
 BabyAI's level 1 must play the held-out tasks better than the random policy does on the same
 tasks (measured here too); TextCraft's goals are held out by recipe depth and played greedily
-and sampled, its pass@1 clustered by goal.
+and sampled, its pass@1 clustered by goal, every stage's turns masked to the env's actions.
 
 The RL stage is also BabyAI's real-env run through `omrl run` (its env server, a vLLM actor,
 the learner): every group it made is checked as the other real envs' runs are
@@ -95,8 +95,11 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
     done = subprocess.run([sys.executable, "-m", "deploy.cli", "demo", "textcraft", "--out", str(out), "--test-goals",
                            "4", "--variants", "2", "--episodes", "120", "--eval-samples", "3", "--sft-epochs", "2", "--sft-eval-episodes",
                            "4", "--rl-steps", "2", "--rl-sft", "0.5", "--dagger", "0.5", "--sft-shuffle-names", "0.5",
-                           "--rl-shuffle-names", "1", "--set", "learner.groups_per_step=2", "--set",
-                           "actor.group_size=4",
+                           "--rl-shuffle-names", "1", "--constrain-actions", "--set", "learner.groups_per_step=2",
+                           # reinforce: every group trained whatever its rewards, so the check of the
+                           # masked scoring below reads every generated token
+                           "--set", "learner.algorithm=reinforce", "--set", "actor.group_size=4",
+                           "--set", "actor.task_sampling=spread", "--set", "actor.task_pool=goal",
                            "--set", "actor.max_turns=12"],
                           capture_output=True, text=True, timeout=patience(380))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -140,3 +143,14 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
     assert 0.3 < sum(goal not in item_names() for goal in goals) / len(goals) < 0.7, len(goals)
     assert tomllib.loads((out / "rl" / "config.toml").read_text())["env"]["options"] == {"shuffle_names": 1}
     assert "options" not in tomllib.loads((out / "config.toml").read_text())["env"]
+    # --constrain-actions: masked RL through Redis. Each turn is one of the env's actions, and the
+    # learner scores the masked distribution the engine sampled from (scoring the whole vocabulary,
+    # as before stop 56, put its log-probs far below the engine's: section 19 of the TextCraft page).
+    assert tomllib.loads((out / "rl" / "config.toml").read_text())["actor"]["constrain_actions"] is True
+    rl = read_jsonl(out / "rl" / "metrics.jsonl")
+    assert all(r["actor/invalid_action_frac"] == 0 and r["learner/scored_frac"] == 1.0 for r in rl), rl
+    assert all(r["learner/mismatch_kl"] < 0.05 for r in rl), [r["learner/mismatch_kl"] for r in rl]
+    # actor.task_sampling = "spread" by the task files' `goal` column: the actors kept a record of
+    # the goals they played (at most one pool a group they produced)
+    last = [read_jsonl(path)[-1] for path in (out / "rl" / "actors").glob("*.jsonl")]
+    assert last and 0 < sum(r["actor/task_pools_played"] for r in last) <= sum(r["actor/groups"] for r in last), last
