@@ -36,7 +36,8 @@ turn caps, the model's shape, the stages' defaults):
 Each stage but the evaluations is a command of its own, run as a child process (its log under
 OUT/logs); a stage recorded as done in OUT/stages.json is skipped, so an interrupted demo goes on
 where it stopped (--fresh starts over). OUT/flags.json holds the flags each done stage ran with
-(STAGE_FLAGS): an invocation that gives a done stage other ones names them and stops.
+(STAGE_FLAGS): a flag left out takes its recorded value, and an invocation that gives a done stage
+another one names it and stops.
 """
 
 from __future__ import annotations
@@ -245,7 +246,7 @@ def add_args(p: argparse.ArgumentParser) -> None:
                         "a mask on its tokens; the evaluations too)")
     p.add_argument("--seeds", type=int, default=1, help="RL stages from the same SFT model, each with its seed and "
                                                         "its evaluation after (default 1)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+    p.add_argument("--set", dest="overrides", action="append", metavar="SECTION.FIELD=VALUE",
                    help="override a field of the RL stage's config (repeatable), e.g. --set learner.lr=5e-5")
     p.add_argument("--fresh", action="store_true", help="start over: ignore the outputs of earlier stages")
 
@@ -276,10 +277,19 @@ def make_demo(args: argparse.Namespace) -> Demo:
     given = sorted(flag_name(flag) for flag in others if getattr(args, flag) is not None)
     if given:
         raise SystemExit(f"error: {', '.join(given)} is not a flag of the {recipe.env} recipe")
-    for field, value in recipe.defaults.items():
+    args.out = args.out or f"runs/demo-{recipe.env}"
+    # A flag left out takes what the done stages ran with (OUT/flags.json), then the recipe's default:
+    # a resume needs no flags again, and one given otherwise is refused (Demo).
+    recorded, stages = Path(args.out) / "flags.json", Path(args.out) / "stages.json"
+    if recorded.exists() and stages.exists() and not args.fresh:
+        done = json.loads(stages.read_text())
+        for name, flags in json.loads(recorded.read_text()).items():
+            for field, value in flags.items():
+                if name in done and getattr(args, field, None) is None:
+                    setattr(args, field, value)
+    for field, value in {**recipe.defaults, "overrides": []}.items():
         if getattr(args, field) is None:
             setattr(args, field, value)
-    args.out = args.out or f"runs/demo-{recipe.env}"
     if args.seeds < 1:
         raise SystemExit(f"error: --seeds takes 1 or more, got {args.seeds}")
     if args.dagger and not (0 < args.dagger < 1 and args.rl_sft > 0):

@@ -248,8 +248,9 @@ def test_a_demo_resumed_with_other_rl_depths_plays_them(tmp_path):
 
 def test_a_demo_resumed_with_other_flags_of_a_done_stage_refuses_to_go_on(tmp_path):
     """Each stage records the flags its output depends on; a later invocation that gives a done
-    stage others says which and stops, where it would have skipped the stage as it was. Flags of
-    stages not done yet may change (the arms of one SFT model)."""
+    stage others says which and stops, where it would have skipped the stage as it was; one that
+    leaves them out takes the recorded ones. Flags of stages not done yet may change (the arms of
+    one SFT model)."""
     def demo(*flags):
         return demo_mod.make_demo(args_of("textcraft", "--out", str(tmp_path), *flags))
 
@@ -257,6 +258,8 @@ def test_a_demo_resumed_with_other_flags_of_a_done_stage_refuses_to_go_on(tmp_pa
     demo("--sft-epochs", "4", "--rl-steps", "60", "--rl-depths", "1")  # rl: not done yet
     demo("--sft-epochs", "4", "--rl-steps", "60").stage("rl", lambda: None)
     demo("--sft-epochs", "4", "--rl-steps", "60", "--seeds", "3")  # more seeds: the same rl stage
+    bare = demo()  # flags left out take what the done stages ran with
+    assert bare.args.sft_epochs == 4.0 and bare.args.rl_steps == 60 and bare.args.overrides == []
     with pytest.raises(SystemExit, match=r"stage sft was done with --sft-epochs 4.0 \(now 2.0\)"):
         demo("--sft-epochs", "2", "--rl-steps", "60")
     with pytest.raises(SystemExit, match=r"stage rl was done with --rl-steps 60 \(now 20\), --set \[\] "
