@@ -30,10 +30,12 @@ def pools_of(tasks: Sequence[int], pool: str | None, task_data: Mapping[int, Map
 
 
 class TaskSampler:
-    def __init__(self, tasks: Sequence[int], rng: random.Random, mode: str = "uniform", pool: str | None = None,
-                 task_data: Mapping[int, Mapping[str, Any]] | None = None, floor: float = 0.1):
+    """`pool_of`: each task's pool (`pools_of`; None: each task its own)."""
+
+    def __init__(self, tasks: Sequence[int], rng: random.Random, mode: str = "uniform",
+                 pool_of: Mapping[int, Hashable] | None = None, floor: float = 0.1):
         self.tasks, self.rng, self.mode, self.floor = list(tasks), rng, mode, floor
-        self.pool_of = pools_of(self.tasks, pool, task_data or {})
+        self.pool_of = dict(pool_of) if pool_of is not None else {t: t for t in self.tasks}
         self.members: dict[Hashable, list[int]] = {}
         for t in self.tasks:
             self.members.setdefault(self.pool_of[t], []).append(t)

@@ -86,7 +86,7 @@ class Actor:
             check_weights(cfg.actor.rewards)
             self.train_tasks, _test = task_split(cfg.env)  # no test task is ever trained on
             self.task_data = task_data(cfg.env)
-            pools_of(self.train_tasks, cfg.actor.task_pool, self.task_data)  # a column the task files lack fails here
+            self.pool_of = pools_of(self.train_tasks, cfg.actor.task_pool, self.task_data)  # a missing column fails here
             # Your own agent plays the episodes through the endpoint (actors/agents.py), or the episode loop does.
             self.agent = load_agent(cfg.actor)
         except ValueError as exc:
@@ -133,9 +133,8 @@ class Actor:
         self.start, self.seed = starts + 1, actor_seed(cfg.actor.seed, self.index, starts)
         log.info("actor %s: index %d, start %d, seed %d", self.name, self.index, self.start, self.seed)
         self.rng = random.Random(self.seed)
-        acfg = cfg.actor
-        self.sampler = TaskSampler(self.train_tasks, self.rng, acfg.task_sampling, acfg.task_pool, self.task_data,
-                                   acfg.spread_floor)
+        self.sampler = TaskSampler(self.train_tasks, self.rng, cfg.actor.task_sampling, self.pool_of,
+                                   cfg.actor.spread_floor)
         if cfg.actor.gpu_by_index:
             pick_gpu(self.index, cfg.learner.ranks)
         if self.engine is None:

@@ -280,10 +280,9 @@ def make_demo(args: argparse.Namespace) -> Demo:
     args.out = args.out or f"runs/demo-{recipe.env}"
     # A flag left out takes what the done stages ran with (OUT/flags.json), then the recipe's default:
     # a resume needs no flags again, and one given otherwise is refused (Demo).
-    recorded, stages = Path(args.out) / "flags.json", Path(args.out) / "stages.json"
-    if recorded.exists() and stages.exists() and not args.fresh:
-        done = json.loads(stages.read_text())
-        for name, flags in json.loads(recorded.read_text()).items():
+    if not args.fresh:
+        done, recorded = recorded_stages(Path(args.out))
+        for name, flags in recorded.items():
             for field, value in flags.items():
                 if name in done and getattr(args, field, None) is None:
                     setattr(args, field, value)
@@ -335,6 +334,13 @@ def interleave(lists: list[list[int]]) -> list[int]:
     return [item for _position, _k, item in ranked]
 
 
+def recorded_stages(out: Path) -> tuple[dict[str, float], dict[str, dict]]:
+    """OUT/stages.json (each done stage's seconds) and OUT/flags.json (the flags it ran with); empty where absent."""
+    def read(name: str) -> dict:
+        return json.loads((out / name).read_text()) if (out / name).exists() else {}
+    return read("stages.json"), read("flags.json")
+
+
 def flag_name(field: str) -> str:
     """An args field's flag on the command line."""
     return "--set" if field == "overrides" else "--" + field.replace("_", "-")
@@ -375,9 +381,8 @@ class Demo:
         self.times: dict[str, float] = {}
         self.skipped: list[str] = []
         self.state_path = out / "stages.json"
-        self.done = json.loads(self.state_path.read_text()) if self.state_path.exists() else {}
         self.flags_path = out / "flags.json"
-        self.flags = json.loads(self.flags_path.read_text()) if self.flags_path.exists() else {}
+        self.done, self.flags = recorded_stages(out)
         for name in (n for n in self.done if n in self.flags):  # in the order they ran
             given = self.flags_of(name)
             differ = [flag for flag in given if self.flags[name].get(flag) != given[flag]]

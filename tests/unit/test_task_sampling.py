@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from actors.sampling import TaskSampler
+from actors.sampling import TaskSampler, pools_of
 from common.config import ActorConfig, Config
 
 
@@ -22,7 +22,7 @@ def test_spread_draws_flat_pools_at_the_floor_and_pools_tasks_by_their_column():
     # 20 tasks: goal g's variants are tasks g and g + 10 (a task file's `goal` column)
     tasks = list(range(20))
     data = {t: {"goal": t % 10} for t in tasks}
-    sampler = TaskSampler(tasks, random.Random(0), "spread", "goal", data, floor=0.1)
+    sampler = TaskSampler(tasks, random.Random(0), "spread", pools_of(tasks, "goal", data), floor=0.1)
     for t in range(10):  # every goal played once: goals 0-7 all failed, 8 spread, 9 all solved
         sampler.record(t, [0.0] * 8 if t < 8 else [0.0, 1.0] * 4 if t == 8 else [1.0] * 8)
     assert sampler.flat_pools == 9 and [sampler.weight(g) for g in (0, 8, 9)] == [0.1, 1.0, 0.1]
@@ -36,7 +36,7 @@ def test_spread_draws_flat_pools_at_the_floor_and_pools_tasks_by_their_column():
 
 def test_a_pool_column_the_task_files_lack_and_a_pool_without_spread_are_refused():
     with pytest.raises(ValueError, match=r"actor.task_pool = 'goal': 2 train tasks have no such column.*task 1"):
-        TaskSampler([0, 1, 2], random.Random(0), "spread", "goal", {0: {"goal": 0}})
+        pools_of([0, 1, 2], "goal", {0: {"goal": 0}})
     with pytest.raises(ValueError, match="task_pool = 'goal' pools tasks for actor.task_sampling"):
         Config(actor=ActorConfig(task_pool="goal"))
     Config(actor=ActorConfig(task_sampling="spread", task_pool="goal"))
