@@ -190,7 +190,8 @@ class ActorConfig(Section):
     sample carries what the mask let through at each token (Sample.allowed) and the learner scores
     that same masked distribution (learner/scoring.py `masked_logprobs`), as the behaviour log-probs
     are. Needs action_template "raw", an env that lists its actions, and, with learner.parallel fsdp2
-    on several ranks, learner.vocab_parallel = false; the episode loop only (not an agent's calls)."""
+    on several ranks, learner.vocab_parallel = false; the episode loop only (the config refuses it
+    with actor.agent or agent_url, whose calls are not masked)."""
     chat_template: Literal["auto", "none"] = "auto"
     """auto: render turns with the tokenizer's chat template when it has one (actors/chat.py); none:
     plain text, the system text and each observation as they come."""
@@ -696,6 +697,10 @@ class Config(Section):
             raise ValueError(f"actor.constrain_actions decodes the whole turn as one of the env's actions, which "
                              f"action_template {self.actor.action_template!r} wraps in other text: set "
                              f"actor.action_template = \"raw\" or constrain_actions = false")
+        if self.actor.constrain_actions and (self.actor.agent or self.actor.agent_url):
+            raise ValueError("actor.constrain_actions masks the turns of the episode loop, and an agent's calls "
+                             "(actor.agent, actor.agent_url) go through the OpenAI endpoint unmasked: unset "
+                             "constrain_actions, or the agent to play the episode loop")
         learner = self.learner
         if self.actor.constrain_actions and learner.ranks > 1 and learner.parallel == "fsdp2" and learner.vocab_parallel:
             raise ValueError("actor.constrain_actions: the learner scores each masked token over its allowed tokens, "

@@ -89,6 +89,9 @@ def test_constrained_actions_need_the_raw_template():
     with pytest.raises(ConfigError, match=r'actor.constrain_actions .* set actor.action_template = "raw"'):
         load_config(None, ["actor.constrain_actions=true", "actor.action_template=react"], environ={})
     assert load_config(None, ["actor.constrain_actions=true"], environ={}).actor.constrain_actions
+    for agent in ("actor.agent='agents.react:rollout'", "actor.agent_url='http://127.0.0.1:9000'"):
+        with pytest.raises(ConfigError, match=r"actor.constrain_actions masks .* unset constrain_actions"):
+            load_config(None, ["actor.constrain_actions=true", agent], environ={})
     split = ["actor.constrain_actions=true", "learner.ranks=2", "learner.parallel=fsdp2"]
     with pytest.raises(ConfigError, match="actor.constrain_actions: the learner scores .* set learner.vocab_parallel = false"):
         load_config(None, split, environ={})
