@@ -51,11 +51,14 @@ def test_the_example_agent_learns_letters_through_the_endpoint(tmp_path):
     for path in sorted((run_dir / "actors").glob("*.jsonl")):
         last = read_jsonl(path)[-1]
         assert last["actor/agent_calls"] >= 2 * last["actor/agent_extended"] > 0, last
-    # The evaluator played the held-out tasks with the agent, through its own endpoint, at versions 0, 40 (and 80).
+    # The evaluator played the held-out tasks with the agent, through its own endpoint, once in each
+    # slot of 40 versions: the newest version of the slot when it got to it (version 3 rather than 0
+    # where its engine came up after the learner's first steps, as on a loaded CI machine).
     evaluator_log = (run_dir / "logs" / "evaluator.log").read_text()
     assert "plays the episodes through the endpoint" in evaluator_log, evaluator_log[-2000:]
     evals = {r["eval/version"]: r["eval/reward"] for r in rows if "eval/version" in r}
-    assert {0, 40} <= set(evals) and evals[40] > evals[0], evals
+    by_slot = {version // 40: reward for version, reward in sorted(evals.items())}
+    assert {0, 1} <= set(by_slot) and by_slot[1] > by_slot[0], evals
     from tests.metrics_doc import undocumented
 
     assert undocumented(k for r in rows for k in r) == []

@@ -1,7 +1,9 @@
 """The learner's CUDA path: device placement, bf16 autocast over fp32 master weights,
-micro-batches, gradient checkpointing and the chunked output layer on a GPU. Skipped where
+micro-batches, gradient checkpointing, the chunked output layer and the masked scoring of
+actor.constrain_actions on a GPU. Skipped where
 torch sees no GPU (CI's machine); run on a GPU machine with `pytest -m gpu`."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -123,3 +125,78 @@ def test_a_background_checkpoint_copies_what_the_gpu_had_queued_before_it(tmp_pa
     loaded = {"model": {"weight": torch.empty(4096, 4096)}}
     dcp.load(loaded, checkpoint_id=tmp_path, no_dist=True)
     assert torch.equal(loaded["model"]["weight"], torch.ones(4096, 4096))
+
+
+def masked_scores(lm, device: str, pair_chunk: int, seed: int = 0):
+    """masked_logprobs over 64 rows of 1 to 40 allowed ids each (targets the last of them) and
+    their gradients with respect to the hidden states and the output weight; beside them the
+    reference: the full logits, every id a row does not allow at -inf."""
+    from learner.scoring import masked_logprobs
+
+    gen = torch.Generator().manual_seed(seed)
+    weight = lm.get_output_embeddings().weight
+    (V, H), M = weight.shape, 64
+    hidden = torch.randn(M, H, generator=gen).to(device).requires_grad_()
+    counts = torch.randint(1, 41, (M,), generator=gen)
+    pair_rows = torch.repeat_interleave(torch.arange(M), counts).to(device)
+    pair_ids = torch.cat([torch.randperm(V, generator=gen)[:int(c)] for c in counts]).to(device)
+    targets = pair_ids[torch.cumsum(counts, 0).to(device) - 1]
+    temperature = torch.full((M,), 0.7, device=device)
+    logp, entropy = masked_logprobs(hidden, weight, targets, temperature, pair_rows, pair_ids, pair_chunk)
+    grads = torch.autograd.grad((logp + 0.1 * entropy).sum(), [hidden, weight])
+    with torch.no_grad(), torch.autocast(device, enabled=False):
+        logits = (hidden.float() @ weight.float().T) / 0.7
+        allowed = torch.zeros_like(logits, dtype=torch.bool)
+        allowed[pair_rows, pair_ids] = True
+        ref = torch.log_softmax(logits.masked_fill(~allowed, -float("inf")), -1)
+        ref_logp = ref.gather(1, targets[:, None]).squeeze(1)
+        ref_entropy = -torch.where(allowed, ref.exp() * ref, 0.0).sum(-1)
+    return logp, entropy, grads, ref_logp, ref_entropy
+
+
+def test_masked_rows_are_scored_over_their_allowed_tokens_on_cuda(wide_model):
+    """actor.constrain_actions' scoring on the GPU: in fp32 the pairs in one chunk and in many
+    (each chunk's gathers recomputed in backward) give the reference's log-probs and entropies and
+    the same gradients; under bf16 autocast, fp32 results near the reference."""
+    lm = load_causal_lm(wide_model).cuda()
+    logp, entropy, grads, ref_logp, ref_entropy = masked_scores(lm, "cuda", pair_chunk=100_000)
+    torch.testing.assert_close(logp, ref_logp, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(entropy, ref_entropy, rtol=1e-4, atol=1e-4)
+    chunked_logp, _, chunked_grads, _, _ = masked_scores(lm, "cuda", pair_chunk=97)  # about 14 chunks
+    torch.testing.assert_close(chunked_logp, logp, rtol=1e-5, atol=1e-5)
+    for whole, chunked in zip(grads, chunked_grads):
+        torch.testing.assert_close(chunked, whole, rtol=1e-4, atol=1e-6)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        logp16, _, _, ref_logp, _ = masked_scores(lm, "cuda", pair_chunk=97)
+    assert logp16.dtype == torch.float32
+    assert float((logp16 - ref_logp).abs().mean()) < 2e-2  # bf16 products, fp32 sums
+
+
+def masked_groups():
+    """varied_groups with each generated token but a sample's last masked to itself and up to 4
+    other ids, as the actors' masks send them (Sample.allowed_counts, Sample.allowed)."""
+    rng = np.random.default_rng(3)
+    groups = varied_groups()
+    for s in (s for group in groups for s in group.samples):
+        gen = np.flatnonzero(s.loss_mask)[:-1]
+        ids = [np.concatenate([[s.tokens[t]], rng.choice([v for v in range(80) if v != s.tokens[t]],
+                                                         int(rng.integers(0, 5)), replace=False)]).astype(np.int32)
+               for t in gen]
+        s.allowed_counts = np.zeros(len(s.tokens), np.int32)
+        s.allowed_counts[gen] = [len(i) for i in ids]
+        s.allowed = np.concatenate(ids)
+    return groups
+
+
+def test_a_masked_batch_trains_on_cuda_and_its_micro_batches_give_one_batch_s_gradients(wide_model):
+    """The masked pairs travel to the GPU with each micro-batch (MicroBatch.allowed): one batch or
+    many, bf16 or fp32, the same gradients, all finite."""
+    groups = masked_groups()
+    assert collate(groups).allowed is not None
+    for precision, rtol, atol in (("fp32", 1e-4, 1e-6), ("bf16", 5e-2, 5e-4)):
+        whole, metrics = first_step(wide_model, groups, precision=precision, max_tokens_per_microbatch=100_000)
+        split, split_metrics = first_step(wide_model, groups, precision=precision, max_tokens_per_microbatch=100)
+        assert metrics["learner/skipped_nonfinite"] == 0 and split_metrics["learner/microbatches"] > 2
+        for name, g in whole.items():
+            assert torch.isfinite(g).all(), name
+            assert float((split[name] - g).norm()) <= rtol * float(g.norm()) + atol, name
