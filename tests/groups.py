@@ -72,3 +72,17 @@ def multi_turn_group(rng: np.random.Generator, episodes: list[tuple[list[float],
                      ) -> RolloutGroup:
     return RolloutGroup(task_id="0", env_name="synthetic", actor_id="test", sampling={},
                         samples=[multi_turn_sample(rng, r, s, version=version) for r, s in episodes])
+
+
+def mask_generated(s: Sample, rng: np.random.Generator) -> dict[int, np.ndarray]:
+    """Mask each generated token of `s` but the last (a choice complete) to itself and up to 4
+    other ids below 80, as the actors' masks send them (Sample.allowed_counts, Sample.allowed);
+    returns each masked position's allowed ids."""
+    gen = np.flatnonzero(s.loss_mask)[:-1]
+    ids = [np.concatenate([[s.tokens[t]], rng.choice([v for v in range(80) if v != s.tokens[t]],
+                                                     int(rng.integers(0, 5)), replace=False)]).astype(np.int32)
+           for t in gen]
+    s.allowed_counts = np.zeros(len(s.tokens), np.int32)
+    s.allowed_counts[gen] = [len(i) for i in ids]
+    s.allowed = np.concatenate(ids)
+    return dict(zip(gen.tolist(), ids))

@@ -173,18 +173,13 @@ def test_masked_rows_are_scored_over_their_allowed_tokens_on_cuda(wide_model):
 
 
 def masked_groups():
-    """varied_groups with each generated token but a sample's last masked to itself and up to 4
-    other ids, as the actors' masks send them (Sample.allowed_counts, Sample.allowed)."""
+    """varied_groups with each sample's generated tokens masked as the actors' masks send them."""
+    from tests.groups import mask_generated
+
     rng = np.random.default_rng(3)
     groups = varied_groups()
     for s in (s for group in groups for s in group.samples):
-        gen = np.flatnonzero(s.loss_mask)[:-1]
-        ids = [np.concatenate([[s.tokens[t]], rng.choice([v for v in range(80) if v != s.tokens[t]],
-                                                         int(rng.integers(0, 5)), replace=False)]).astype(np.int32)
-               for t in gen]
-        s.allowed_counts = np.zeros(len(s.tokens), np.int32)
-        s.allowed_counts[gen] = [len(i) for i in ids]
-        s.allowed = np.concatenate(ids)
+        mask_generated(s, rng)
     return groups
 
 

@@ -352,20 +352,11 @@ def test_a_batch_with_masked_turns_is_scored_over_each_token_s_allowed_tokens(ti
     collate and the micro-batches, each masked token is scored over its own allowed tokens, every
     other over the vocabulary, as the full logits give them."""
     from learner.scoring import PolicyScorer
+    from tests.groups import mask_generated
 
     rng = np.random.default_rng(7)
     group = synthetic_group(rng)
-    masked = {}
-    for s in group.samples[:3]:  # the last sample unmasked
-        gen = np.flatnonzero(s.loss_mask)
-        counts = np.zeros(len(s.tokens), np.int32)
-        ids = []
-        for t in gen[:-1]:  # the last generated token of each sample not masked (a choice complete)
-            others = rng.choice([v for v in range(80) if v != s.tokens[t]], int(rng.integers(0, 5)), replace=False)
-            ids.append(np.concatenate([[s.tokens[t]], others]).astype(np.int32))
-            counts[t] = len(ids[-1])
-        s.allowed_counts, s.allowed = counts, np.concatenate(ids)
-        masked[id(s)] = dict(zip(gen[:-1].tolist(), ids))
+    masked = {id(s): mask_generated(s, rng) for s in group.samples[:3]}  # the last sample unmasked
     batch = collate([group])
     model = load_causal_lm(tiny_model, "float32")
     mb = batch.micro([3, 0, 2, 1], torch.device("cpu"))
