@@ -39,9 +39,12 @@ def engine(cfg, loop):
     async def start():  # with the choices' logits processor, which requests without choices never meet
         return VLLMEngine(cfg.model, cfg.actor.model_copy(update={"constrain_actions": True}), cfg.model.path, seed=0)
 
+    async def stop():  # in the loop: vLLM closes its sockets there, and a zmq context with open ones hangs in term()
+        eng.shutdown()
+
     eng = loop.run_until_complete(start())
     yield eng
-    eng.shutdown()
+    loop.run_until_complete(stop())
 
 
 def hf_logprobs(model, tokens):
@@ -51,6 +54,17 @@ def hf_logprobs(model, tokens):
         rows = torch.stack([torch.zeros(len(tokens) - 1, dtype=torch.long), torch.arange(1, len(tokens))], 1)
         logp, _, _ = PolicyScorer(model)(ids, torch.ones_like(ids), rows, torch.ones(len(rows)))
         return torch.nn.functional.pad(logp, (1, 0))
+
+
+def test_the_engine_runs_its_worker_in_the_engine_core_process(engine):
+    """On CPU one process for the engine (actors.engine.UNIPROC), not an engine core and a
+    worker that imports torch and vLLM again and spins after every message."""
+    import os
+
+    import psutil
+
+    vllm = [p.name() for p in psutil.Process(os.getpid()).children(recursive=True) if p.name().startswith("VLLM::")]
+    assert vllm == ["VLLM::EngineCore"], vllm  # with a worker of its own: also "VLLM::Worker_..."
 
 
 def test_generation_logprobs_match_the_learner_model(engine, cfg, loop):
