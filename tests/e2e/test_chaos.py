@@ -38,8 +38,8 @@ from tests.e2e.test_omrl_run import cmdline, processes_mentioning
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.redis]
 
 # About 1.2 steps/s on 2 cores; a restarted actor needs 60-90 s (vLLM's start) to produce again.
-# The last fault lands near step 110 (2026-12-04: step 100-115 of a 260-step run, which then
-# trained 150 steps more after it for nothing); the test fails if the run ends before it.
+# The last fault lands near step 110 (2026-12-04: about 110 in a 260-step run, which then trained
+# 150 steps more for nothing, and 115 in a 190-step one); the test fails if the run ends before it.
 STEPS, B = 190, 8
 HANG_S = 20  # supervisor.hang_s: a stopped process is killed and restarted this long after its last beat
 FAILURE_REASONS = {"actor_lost", "env_unreachable", "env_error", "env_timeout", "cancelled"}
