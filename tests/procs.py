@@ -17,3 +17,22 @@ def alive(pid: int) -> bool:
     finally:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, os.WNOHANG)
+
+
+def descendants(pid: int) -> list[str]:
+    """The first word of the command line (a process's title, where it set one: vLLM's
+    "VLLM::EngineCore") of every process below `pid`, children first."""
+    parents: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            with contextlib.suppress(OSError, IndexError):
+                with open(f"/proc/{entry}/stat") as f:
+                    parents.setdefault(int(f.read().rsplit(") ", 1)[1].split()[1]), []).append(int(entry))
+    found, todo = [], list(parents.get(pid, []))
+    while todo:
+        child = todo.pop(0)
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{child}/cmdline", "rb") as f:
+                found.append(f.read().split(b"\0")[0].decode(errors="replace"))
+        todo += parents.get(child, [])
+    return found

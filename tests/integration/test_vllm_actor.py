@@ -2,6 +2,7 @@
 reload in place, and the episode loop keeps tokens exactly as sampled."""
 
 import asyncio
+import os
 
 import aiohttp
 import numpy as np
@@ -16,6 +17,7 @@ from envs.client import EnvClient
 from envs.server import EnvServer, serve
 from learner.scoring import PolicyScorer
 from learner.trainer import Trainer
+from tests.procs import descendants
 
 pytestmark = pytest.mark.vllm
 
@@ -59,12 +61,8 @@ def hf_logprobs(model, tokens):
 def test_the_engine_runs_its_worker_in_the_engine_core_process(engine):
     """On CPU one process for the engine (actors.engine.UNIPROC), not an engine core and a
     worker that imports torch and vLLM again and spins after every message."""
-    import os
-
-    import psutil
-
-    vllm = [p.name() for p in psutil.Process(os.getpid()).children(recursive=True) if p.name().startswith("VLLM::")]
-    assert vllm == ["VLLM::EngineCore"], vllm  # with a worker of its own: also "VLLM::Worker_..."
+    vllm = [title for title in descendants(os.getpid()) if title.startswith("VLLM::")]
+    assert vllm == ["VLLM::EngineCore"], vllm  # with a worker of its own: also "VLLM::Worker"
 
 
 def test_generation_logprobs_match_the_learner_model(engine, cfg, loop):
