@@ -1,9 +1,11 @@
-"""Processes as tests see them from outside: whether a pid still runs."""
+"""Processes as tests see them from outside: whether a pid still runs, its command line, the
+processes that mention a text and those below a pid."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 
 
 def alive(pid: int) -> bool:
@@ -19,6 +21,19 @@ def alive(pid: int) -> bool:
             os.waitpid(pid, os.WNOHANG)
 
 
+def cmdline(pid: int) -> str:
+    """The process's command line, words joined by spaces ("" where it is gone)."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def processes_mentioning(text: str) -> list[int]:
+    return [int(e.name) for e in Path("/proc").iterdir()
+            if e.name.isdigit() and int(e.name) != os.getpid() and text in cmdline(int(e.name))]
+
+
 def descendants(pid: int) -> list[str]:
     """The first word of the command line (a process's title, where it set one: vLLM's
     "VLLM::EngineCore") of every process below `pid`, children first."""
@@ -31,8 +46,6 @@ def descendants(pid: int) -> list[str]:
     found, todo = [], list(parents.get(pid, []))
     while todo:
         child = todo.pop(0)
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{child}/cmdline", "rb") as f:
-                found.append(f.read().split(b"\0")[0].decode(errors="replace"))
+        found.append(cmdline(child).split(" ", 1)[0])
         todo += parents.get(child, [])
     return found

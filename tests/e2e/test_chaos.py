@@ -33,7 +33,7 @@ from broker.keys import Keys
 from common.messages import decode_group
 from common.metrics import last_step, read_jsonl
 from tests.budget import patience
-from tests.e2e.test_omrl_run import cmdline, processes_mentioning
+from tests.procs import cmdline, processes_mentioning
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.redis]
 

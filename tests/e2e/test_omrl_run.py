@@ -20,21 +20,9 @@ from common.metrics import read_jsonl
 from deploy.supervisor import STOP_TIMEOUT_S
 from tests.budget import patience
 from tests.e2e.learning import fifths
+from tests.procs import cmdline, processes_mentioning
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.redis]
-
-
-def cmdline(pid: int) -> str:
-    """The process's command line, words joined by spaces ("" where it is gone)."""
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-    except OSError:
-        return ""
-
-
-def processes_mentioning(text: str) -> list[int]:
-    return [int(e.name) for e in Path("/proc").iterdir()
-            if e.name.isdigit() and int(e.name) != os.getpid() and text in cmdline(int(e.name))]
 
 
 def omrl(*args: str, **kw) -> subprocess.Popen:

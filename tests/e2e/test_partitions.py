@@ -18,8 +18,8 @@ from broker.embedded import EmbeddedRedis, find_redis_server, free_port
 from common.metrics import last_step, read_jsonl
 from common.retry import wait_http
 from tests.budget import patience
-from tests.e2e.test_omrl_run import processes_mentioning
 from tests.partition import Partition
+from tests.procs import processes_mentioning
 
 pytestmark = [pytest.mark.slow, pytest.mark.vllm, pytest.mark.redis]
 

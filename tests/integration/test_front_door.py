@@ -19,7 +19,7 @@ import pytest
 
 from benchmarks.common import wait_http
 from broker.embedded import EmbeddedRedis, free_port
-from tests.e2e.test_omrl_run import processes_mentioning
+from tests.procs import processes_mentioning
 
 ROOT = Path(__file__).resolve().parents[2]
 
