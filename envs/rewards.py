@@ -103,6 +103,21 @@ def process(episode: Episode) -> float:
     return sum(r > 0 for r in episode.turn_rewards) / len(episode.turn_rewards) if episode.turn_rewards else 0.0
 
 
+@register_reward("progress")
+def env_progress(episode: Episode) -> float:
+    """The env's own measure of how far the episode got, from 0 to 1: `progress` in the last answer
+    of the env (textcraft: the share of the goal's recipe tree the inventory has held); 0 where no
+    action parsed. Partial credit that gives a spread to groups whose every episode fails."""
+    answered = [turn for turn in episode.turns if turn.action is not None]
+    if not answered:
+        return 0.0
+    value = answered[-1].info.get("progress")
+    if value is None:
+        raise RewardError(f"the progress reward needs an env that reports `progress` in its step answers; "
+                          f"{episode.env_name or 'this env'} does not (textcraft does): take it out of actor.rewards")
+    return float(value)
+
+
 @register_reward("length")
 def length_penalty(episode: Episode) -> float:
     """Minus the fraction of the token budget the episode used: weight it small and positive."""

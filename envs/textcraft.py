@@ -165,6 +165,8 @@ class TextCraftEnv(Env):
         self.commands = ""
         self._shown: dict[str, str] = {}  # real word -> the word shown (a task of shuffled names)
         self._real: dict[str, str] = {}
+        self._needed: frozenset[str] = frozenset()  # the items of the goal's plan from nothing, but the goal
+        self._obtained: set[str] = set()  # every item the inventory has held this episode
 
     # -- the task --------------------------------------------------------------------
     def reset(self, task_idx: int) -> str:
@@ -180,6 +182,9 @@ class TextCraftEnv(Env):
         rng.shuffle(shown)
         self.commands = "\n".join(shown)
         self._shuffle_names(task_idx)
+        planned: dict[str, int] = {}
+        self._plan(self.goal, 1, planned, [])
+        self._needed, self._obtained = frozenset(planned) - {self.goal}, set()
         return self.observation()
 
     def _shuffle_names(self, task_idx: int) -> None:
@@ -224,7 +229,17 @@ class TextCraftEnv(Env):
             text, reward = self._act(_renamed(action, self._real) if self.shuffled else action)
         except _Failed as failed:
             text, reward = str(failed), 0
-        return StepResult(self._show(text), reward, reward == 1, {"success": reward == 1})
+        self._obtained.update(self.inventory)
+        return StepResult(self._show(text), reward, reward == 1, {"success": reward == 1, "progress": self.progress()})
+
+    def progress(self) -> float:
+        """How far the episode got (our field, not AgentGym's; the `progress` reward reads it): the
+        share of the items of the goal's recipe tree (the oracle's plan from an empty inventory: its
+        base items and intermediates) that the inventory has held at some point; 1 once the goal is
+        crafted. Partial credit where a goal is failed every time, which outcome rewards leave flat."""
+        if self.goal in self._obtained:
+            return 1.0
+        return len(self._obtained & self._needed) / len(self._needed) if self._needed else 0.0
 
     def _act(self, action: str) -> tuple[str, int]:
         if m := re.match(r"craft (.*) using (.*)", action):

@@ -185,3 +185,36 @@ def test_the_admissible_actions_hold_the_oracle_s_and_none_but_shown_names(serve
         post_ok(other, "/reset", {"id": other_id, "data_idx": 0})
         status, answer = http_json("GET", f"{other}/actions?id={other_id}")
         assert status == 404 and "lists no admissible actions" in answer["error"], answer
+
+
+def test_progress_is_the_share_of_the_goal_s_tree_held(server):
+    """Every step answers `progress` (ours, not AgentGym's): the share of the goal's recipe tree
+    (the oracle's plan from nothing, the goal left out) that the inventory has held. It never
+    falls, is below 1 until the goal is crafted and 1 then; an item outside the tree and a
+    refused craft add nothing; a shuffled world's is its game's. Served in the /step answer."""
+    from envs.base import make_env
+    from envs.textcraft import GOALS
+    from tests.servers import http_json
+
+    real, shuffled = make_env("textcraft"), make_env("textcraft", shuffle_names=1)
+    for task in range(0, 2 * GOALS, 13):
+        real.reset(task)
+        shuffled.reset(task)
+        seen = [0.0]
+        for _ in range(60):
+            action = real.oracle_action()
+            got = real.step(action)
+            assert shuffled.step(shuffled.oracle_action()).info["progress"] == got.info["progress"]
+            seen.append(got.info["progress"])
+            if got.done:
+                break
+        assert got.info["success"] and seen[-1] == 1.0 and seen == sorted(seen), (task, seen)
+    real.reset(200)  # dark oak sign: sticks and dark oak planks, from dark oak logs (and bamboo shown)
+    wanted, outside = sorted(real._needed), "minecraft:diamond"
+    assert outside not in wanted and real.step("get 1 diamond").info["progress"] == 0.0
+    assert real.step("craft 1 dark oak sign using 6 dark oak planks, 1 stick").info["progress"] == 0.0  # refused
+    assert real.step("get 1 dark oak logs").info["progress"] == pytest.approx(1 / len(wanted))
+    env_id = post_ok(server, "/create", {})["id"]
+    post_ok(server, "/reset", {"id": env_id, "data_idx": 0})
+    status, answer = http_json("POST", f"{server}/step", {"id": env_id, "action": "get 1 acacia logs"})
+    assert status == 200 and answer["progress"] == 1.0 and answer["reward"] == 0  # its one input, not yet crafted

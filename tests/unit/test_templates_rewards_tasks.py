@@ -61,6 +61,18 @@ def test_each_reward_function():
         check_weights({"env": 1.0, "speed": 1.0})
 
 
+def test_progress_reads_the_env_s_last_answer_or_fails_the_group():
+    answered = [EpisodeTurn("x", "x", "obs", 0.0, False, {"progress": p}) for p in (0.25, 0.5)]
+    unparsed = EpisodeTurn("x", None, "Invalid Action.", 0.0, False)
+    base = dict(success=False, generated_tokens=30, token_budget=120, finish_reason="max_turns", env_name="babyai")
+    assert REWARDS["progress"](Episode(turns=[*answered, unparsed], **base)) == 0.5
+    assert REWARDS["progress"](Episode(turns=[unparsed], **base)) == 0.0
+    assert combine({"env": 1.0, "progress": 0.5}, Episode(turns=answered, **base)) == pytest.approx(0.25)
+    with pytest.raises(rewards.RewardError, match="babyai does not .* take it out of actor.rewards") as failed:
+        combine({"env": 1.0, "progress": 0.5}, episode(**{k: v for k, v in base.items() if k != "env_name"} | {"env_name": "babyai"}))
+    assert failed.value.reason == "reward_error"
+
+
 def test_success_rules():
     assert spec_for("babyai").succeeded(True, 0.86, {}) and not spec_for("babyai").succeeded(False, 0.86, {})
     assert spec_for("sciworld").succeeded(False, 1.0, {}) and not spec_for("sciworld").succeeded(True, 0.99, {})
