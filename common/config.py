@@ -135,7 +135,8 @@ class EnvConfig(Section):
     """Tasks are integers 0..num_tasks-1 (AgentGym `data_idx`), for envs whose spec does not say."""
     options: dict[str, Any] = Field(default_factory=dict)
     """Env-specific options passed to the env constructor (letters: turns, alphabet; textcraft: shuffle_names,
-    the share of tasks in worlds of their own item names); the start's checks make the env once with them."""
+    the share of tasks in worlds of their own item names; progress, what its step answers' `progress` counts,
+    items or crafts); the start's checks make the env once with them."""
     timeout_s: float = Field(120.0, gt=0)
     """One env request may take this long; past it the episode's group fails (reason env_timeout)."""
     reuse_instances: bool = True
