@@ -36,6 +36,10 @@ every action, so the game, its rules and the oracle are unchanged under new name
 name is a real item's. What a model learns there cannot be a goal's answer by heart, only reading
 the recipes it is shown (the held-out goals' skill: items never crafted in training).
 
+Every step's answer also carries `progress` (ours, not AgentGym's; `TextCraftEnv.progress`): how much of
+the goal's recipe tree the inventory has held, every item of it or, with the env option `progress =
+"crafts"`, its intermediates alone; the `progress` reward function reads it as partial credit.
+
 The oracle reads the whole recipe tree: for what the goal needs and is not in the
 inventory, it gets all base items (one `get` per item) then crafts one batch at a time,
 shallowest recipe first. Its mistakes (`mistake_action`, the noise of `omrl collect --noise`)

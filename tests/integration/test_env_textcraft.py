@@ -190,7 +190,7 @@ def test_the_admissible_actions_hold_the_oracle_s_and_none_but_shown_names(serve
 def test_progress_is_the_share_of_the_goal_s_tree_held(server):
     """Every step answers `progress` (ours, not AgentGym's): the share of the goal's recipe tree
     (the oracle's plan from nothing, the goal left out) that the inventory has held. It never
-    falls, is below 1 until the goal is crafted and 1 then; an item outside the tree and a
+    falls and is 1 once the goal is crafted (or every item of its tree was held); an item outside the tree and a
     refused craft add nothing; a shuffled world's is its game's; with the option "crafts" only the
     intermediates count. Served in the /step answer."""
     from envs.base import make_env

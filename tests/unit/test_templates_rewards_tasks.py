@@ -69,7 +69,7 @@ def test_progress_reads_the_env_s_last_answer_or_fails_the_group():
     assert REWARDS["progress"](Episode(turns=[unparsed], **base)) == 0.0
     assert combine({"env": 1.0, "progress": 0.5}, Episode(turns=answered, **base)) == pytest.approx(0.25)
     with pytest.raises(rewards.RewardError, match="babyai does not .* take it out of actor.rewards") as failed:
-        combine({"env": 1.0, "progress": 0.5}, episode(**{k: v for k, v in base.items() if k != "env_name"} | {"env_name": "babyai"}))
+        combine({"env": 1.0, "progress": 0.5}, episode(env_name="babyai"))
     assert failed.value.reason == "reward_error"
 
 
