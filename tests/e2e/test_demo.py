@@ -101,7 +101,11 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
                            # masked scoring below reads every generated token
                            "--set", "learner.algorithm=reinforce", "--set", "actor.group_size=4",
                            "--set", "actor.task_sampling=spread", "--set", "actor.task_pool=goal",
-                           "--set", "actor.max_turns=12"],
+                           "--set", "actor.max_turns=12",
+                           # partial credit: the env's progress over the goal's intermediates (the
+                           # episodes kept every step, to read their rewards)
+                           "--set", "actor.rewards={env = 1.0, progress = 0.5}", "--set", "env.options.progress=crafts",
+                           "--set", "learner.samples_every=1"],
                           capture_output=True, text=True, timeout=patience(380))
     assert done.returncode == 0, done.stderr[-3000:]
     depths = goal_depths()
@@ -142,7 +146,11 @@ def test_a_small_textcraft_demo_holds_out_goals_by_depth_and_reports_sampled_pas
     goals = [r["conversations"][0]["value"].rpartition("Goal: craft ")[2].removesuffix(".")
              for r in read_episodes(out / "oracle.parquet")]
     assert 0.3 < sum(goal not in item_names() for goal in goals) / len(goals) < 0.7, len(goals)
-    assert tomllib.loads((out / "rl" / "config.toml").read_text())["env"]["options"] == {"shuffle_names": 1}
+    assert tomllib.loads((out / "rl" / "config.toml").read_text())["env"]["options"] == {"shuffle_names": 1,
+                                                                                     "progress": "crafts"}
+    # actor.rewards = {env = 1.0, progress = 0.5}: a success earns 1.5, a failure half its progress
+    kept = read_jsonl(out / "rl" / "samples.jsonl")
+    assert kept and all(r["reward"] == 1.5 if r["success"] else 0 <= r["reward"] <= 0.5 for r in kept), kept
     assert "options" not in tomllib.loads((out / "config.toml").read_text())["env"]
     # --constrain-actions: masked RL through Redis. Each turn is one of the env's actions, and the
     # learner scores the masked distribution the engine sampled from (scoring the whole vocabulary,
