@@ -1,6 +1,7 @@
 """The suite's time budget, kept in view: at the end of every run, the wall time against the
 budget, the ten slowest tests (set-up, call and teardown together), the fixtures whose
-set-up cost the most, and the tests whose `slow` mark disagrees with what they took.
+set-up cost the most, and the tests whose `slow` mark disagrees with what they took. As the
+run goes, a line for each failure and each test over a minute, with the minute it ended.
 
 It reports and never fails a test: speed belongs in benchmarks, not assertions. It works
 under pytest-xdist: fixture set-up times travel to the controller in each report's
@@ -79,7 +80,8 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 class Budget:
-    def __init__(self):
+    def __init__(self, config):
+        self.config = config
         self.start = time.monotonic()
         self.tests: dict[str, float] = collections.defaultdict(float)  # nodeid -> seconds, all phases
         self.slow_marked: dict[str, bool] = {}
@@ -88,12 +90,32 @@ class Budget:
     @pytest.hookimpl
     def pytest_runtest_logreport(self, report):
         self.tests[report.nodeid] += report.duration
+        self.say_now(report)
         if report.when == "call":  # tests skipped before their call are left out of the mark check
             self.slow_marked[report.nodeid] = "slow" in report.keywords
         for key, value in report.user_properties:
             if key == FIXTURE_KEY:
                 for name, scope, seconds in value:
                     self.fixtures[(name, scope)].append(seconds)
+
+    def say_now(self, report) -> None:
+        """A line as it happens for a failure and for a test over `SLOW_S`: when CI stops a
+        run at its time limit it keeps only the output's tail, where pytest's summary of the
+        failures would have come last."""
+        seconds = self.tests[report.nodeid]
+        failed = report.failed
+        if not failed and not (report.when == "teardown" and seconds > SLOW_S):
+            return
+        terminal = self.config.pluginmanager.get_plugin("terminalreporter")
+        if terminal is None:
+            return
+        minute = (time.monotonic() - self.start) / 60
+        if failed:
+            crash = getattr(report.longrepr, "reprcrash", None)
+            why = crash.message.splitlines()[0][:200] if crash and crash.message else str(report.longrepr)[-200:]
+            terminal.write_line(f"\n[{minute:5.1f} min] FAILED in {report.when}: {report.nodeid} ({seconds:.0f} s): {why}")
+        else:
+            terminal.write_line(f"\n[{minute:5.1f} min] done: {report.nodeid} ({seconds:.0f} s)")
 
     @pytest.hookimpl(trylast=True)
     def pytest_terminal_summary(self, terminalreporter):
@@ -124,4 +146,4 @@ class Budget:
 
 def pytest_configure(config):
     if not hasattr(config, "workerinput"):  # the controller (or a run without xdist) reports
-        config.pluginmanager.register(Budget(), "omrl-budget")
+        config.pluginmanager.register(Budget(config), "omrl-budget")
